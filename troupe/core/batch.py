@@ -1,0 +1,19 @@
+"""The contract between the scheduler/engine and the model runner for one step.
+
+The engine turns a scheduler decision into a list of `ScheduledSeq` (one per scheduled request, in
+the order the scheduler chose) and calls `ModelRunner.execute(seqs)`, which returns one row of
+float32 logits per entry whose `needs_logits` is True, in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step: positions start_pos .. start_pos + len - 1
+    start_pos: int  # tokens of this request already in the KV cache (num_computed_tokens)
+    block_ids: list[int]  # the request's whole block table; covers start_pos + len(token_ids) tokens
+    needs_logits: bool  # this chunk ends at the last known token: a new token is sampled after it

@@ -1,0 +1,81 @@
+"""`Request`: the engine's mutable view of one request (scheduler, KV manager and engine share it).
+
+Contract:
+- `all_token_ids` = prompt followed by generated tokens; `num_computed_tokens` of them have their
+  K/V in the cache. The scheduler advances `num_computed_tokens`; the engine appends sampled tokens.
+- Preemption frees every block and resets `num_computed_tokens` to 0 (recompute).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from troupe.messages import AddRequest, FinishReason
+from troupe.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    __slots__ = (
+        "request_id", "external_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
+        "params", "max_tokens", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
+        "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
+        "stop_reason", "block_hashes",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_ids: list[int] | None = None, arrival_time: float = 0.0,
+                 priority: int = 0, external_id: str = "") -> None:
+        self.request_id = request_id
+        self.external_id = external_id or request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.eos_token_ids: frozenset[int] = frozenset(() if params.ignore_eos else (eos_token_ids or ()))
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, set at first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
+
+    @classmethod
+    def from_message(cls, msg: AddRequest) -> Request:
+        return cls(msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens, msg.eos_token_ids,
+                   msg.arrival_time, msg.priority, msg.external_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")
