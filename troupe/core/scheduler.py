@@ -1,0 +1,294 @@
+"""`Scheduler`: vLLM v1's continuous-batching policy (`vllm/v1/core/sched/scheduler.py`), pure and sync.
+
+One rule drives everything: each request catches `num_computed_tokens` up to `num_tokens` within a
+per-step token budget. That gives chunked prefill, prefix caching, recompute preemption and
+continuous batching without separate prefill and decode phases. See
+`shared/reference/vllm-semantics.md` §2.10.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from troupe.core.batch import ScheduledSeq
+from troupe.core.kv_cache import KVCacheManager
+from troupe.core.request import Request, RequestStatus
+from troupe.errors import InvalidInputError
+from troupe.messages import EngineCoreOutput, FinishReason, SchedulerStats
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's work in a step: tokens `start_pos .. start_pos + num_new_tokens - 1`."""
+
+    request: Request
+    num_new_tokens: int
+    start_pos: int  # num_computed_tokens before this step
+    needs_logits: bool  # the chunk ends at the last known token: sample one after it
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # running first, then admitted
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # finished since the previous schedule()
+    num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens; owns the waiting/running queues.
+
+    Contract (the engine calls, per step, `schedule()` -> run the model -> `update_from_output()`;
+    `add_request`/`finish_requests` between steps):
+    - `schedule()` mutates: queues (admission WAITING/PREEMPTED -> RUNNING; preemption RUNNING ->
+      PREEMPTED at the *front* of waiting, blocks freed, `num_computed_tokens = 0`,
+      `num_preemptions += 1`), block tables (`allocate_slots`), `num_cached_tokens` (set once, at
+      first admission, to the prefix-cache hit) and, last, `num_computed_tokens += num_new_tokens`
+      for every scheduled request (vLLM's `_update_after_schedule`). So the model runner must use
+      `ScheduledRequest.start_pos` (the old value), as `to_scheduled_seqs` does.
+    - `update_from_output(out, sampled)` appends one sampled token per `needs_logits` entry, checks
+      stop conditions, registers newly computed full blocks in the prefix cache, and frees finished
+      requests. It skips requests finished (aborted) since `schedule()`.
+    - `finish_requests` removes requests from either queue and frees their blocks.
+    Policy: "fcfs" (arrival order; the victim is the last running) or "priority" (lower
+    `priority`, then earlier `arrival_time`, first; the victim is the worst running).
+    """
+
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: Literal["fcfs", "priority"] = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.running: list[Request] = []
+        self._fifo: deque[Request] = deque()  # fcfs waiting queue
+        self._heap: list[tuple[int, float, int, Request]] = []  # priority waiting queue
+        self._seq = itertools.count()
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0  # cumulative
+        self.step_counter = 0
+        self._step_prompt_tokens = 0
+        self._step_generation_tokens = 0
+
+    # ------------------------------------------------------------------ queues
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._fifo) + len(self._heap)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _push_waiting(self, req: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
+        elif front:
+            self._fifo.appendleft(req)
+        else:
+            self._fifo.append(req)
+
+    def _peek_waiting(self) -> Request | None:
+        if self.policy == "priority":
+            return self._heap[0][3] if self._heap else None
+        return self._fifo[0] if self._fifo else None
+
+    def _pop_waiting(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def _remove_waiting(self, req: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(req)
+
+    def max_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Most tokens a request holds in the KV cache at once (its last sampled token is never
+        computed, and it stops once it has `max_model_len` tokens)."""
+        return max(num_prompt_tokens, min(num_prompt_tokens + max_tokens - 1, self.max_model_len - 1))
+
+    def can_fit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether the request fits in the KV pool when it runs alone (else it could never finish)."""
+        return self.max_kv_tokens(num_prompt_tokens, max_tokens) <= self.kv_cache.max_tokens_capacity
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises `InvalidInputError` if it could never fit in the KV pool."""
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+        assert req.num_prompt_tokens >= 1 and req.status == RequestStatus.WAITING
+        if not self.can_fit(req.num_prompt_tokens, req.max_tokens):
+            need = self.max_kv_tokens(req.num_prompt_tokens, req.max_tokens)
+            raise InvalidInputError(
+                "max_tokens", f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
+                f"needs {need} KV slots; the KV cache holds {self.kv_cache.max_tokens_capacity}")
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    # ------------------------------------------------------------------ schedule
+
+    def _preempt_victim(self) -> Request:
+        if self.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(victim, front=True)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        """1. Running requests, in order: allocate their next chunk, preempting until it fits.
+        2. If nothing was preempted: admit waiting requests (prefix-cache hit + a chunk) while the
+        budget, `max_num_seqs` and the free blocks allow. 3. Advance `num_computed_tokens`."""
+        kv, budget = self.kv_cache, self.max_num_batched_tokens
+        chunks: dict[str, tuple[Request, int]] = {}  # request id -> (request, num_new_tokens)
+        preempted: list[str] = []
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget <= 0:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget,
+                    self.max_model_len - req.num_computed_tokens)
+            assert n > 0, req
+            while kv.allocate_slots(req, n) is None:
+                victim = self._preempt_victim()
+                preempted.append(victim.request_id)
+                if victim.request_id in chunks:  # priority: undo its chunk
+                    budget += chunks.pop(victim.request_id)[1]
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # it preempted itself (fcfs: it was last; priority: better ones may follow)
+            chunks[req.request_id] = (req, n)
+            budget -= n
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            head = self._peek_waiting()
+            if head is None:
+                break
+            hit_blocks, hit_tokens = kv.get_computed_blocks(head)
+            n = min(head.num_tokens - hit_tokens, budget)
+            if kv.allocate_slots(head, n, hit_blocks, hit_tokens) is None:
+                break  # no skipping ahead: the head would starve
+            self._pop_waiting()
+            if head.num_cached_tokens < 0:
+                head.num_cached_tokens = hit_tokens
+            head.num_computed_tokens = hit_tokens
+            head.status = RequestStatus.RUNNING
+            self.running.append(head)
+            chunks[head.request_id] = (head, n)
+            budget -= n
+        out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        for req, n in chunks.values():
+            start = req.num_computed_tokens
+            out.scheduled.append(ScheduledRequest(req, n, start, start + n == req.num_tokens))
+            out.num_scheduled_tokens += n
+            req.num_computed_tokens += n
+        self._step_prompt_tokens = sum(max(0, min(s.start_pos + s.num_new_tokens, s.request.num_prompt_tokens)
+                                           - s.start_pos) for s in out.scheduled)
+        return out
+
+    def to_scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """The model runner's view of `out` (same order); call before `update_from_output`."""
+        return [ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
+                             self.kv_cache.get_block_ids(req.request_id), needs_logits)
+                for req, n, start, needs_logits in out.scheduled]
+
+    # ------------------------------------------------------------------ after the step
+
+    def _check_stop(self, req: Request) -> bool:
+        """vLLM's order: min_tokens holds back EOS/stop ids; EOS; stop_token_ids; length."""
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= req.params.min_tokens:
+            if last in req.eos_token_ids:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, None
+                return True
+            if last in req.stop_token_ids:
+                req.finish_reason, req.stop_reason = FinishReason.STOP, last
+                return True
+        if req.num_tokens >= self.max_model_len or req.num_output_tokens >= req.max_tokens:
+            req.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]
+                           ) -> tuple[list[EngineCoreOutput], list[str]]:
+        """Apply one step's sampled tokens (`sampled[request_id]` for each `needs_logits` entry).
+        Returns one output per request that got a token (never for a partial prefill chunk) and the
+        ids that finished in this call."""
+        self.step_counter += bool(out.scheduled)
+        outputs: list[EngineCoreOutput] = []
+        finished: list[str] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted since schedule()
+            self.kv_cache.cache_blocks(req)
+            if not s.needs_logits:
+                continue
+            token = sampled[req.request_id]
+            req.append_token(token)
+            stopped = self._check_stop(req)
+            if stopped:
+                req.status = RequestStatus.FINISHED
+                self.kv_cache.free(req)
+                del self.requests[req.request_id]
+                finished.append(req.request_id)
+            outputs.append(EngineCoreOutput(
+                req.request_id, [token], req.finish_reason, req.stop_reason,
+                num_cached_tokens=max(0, req.num_cached_tokens), num_preemptions=req.num_preemptions))
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self._finished_ids.extend(finished)
+        self._step_generation_tokens = len(outputs)
+        return outputs, finished
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        reason: FinishReason = FinishReason.ABORT) -> list[str]:
+        """Finish (by default abort) requests wherever they are; unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done: list[str] = []
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.kv_cache.free(req)
+            else:
+                self._remove_waiting(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = reason
+            done.append(rid)
+        self._finished_ids.extend(done)
+        return done
+
+    def stats(self, step_counter: int | None = None) -> SchedulerStats:
+        """A snapshot; `step_counter` overrides the scheduler's own count of non-empty steps."""
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            step_counter=self.step_counter if step_counter is None else step_counter,
+            num_prompt_tokens=self._step_prompt_tokens, num_generation_tokens=self._step_generation_tokens)
