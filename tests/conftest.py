@@ -35,3 +35,9 @@ def tokenizer(request: pytest.FixtureRequest) -> Any:
             os.replace(os.path.join(tmp, name), folder / name)
         os.rmdir(tmp)
     return tok
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """troupe runs on asyncio (pyzmq's asyncio sockets need it)."""
+    return "asyncio"
