@@ -41,3 +41,11 @@ def tokenizer(request: pytest.FixtureRequest) -> Any:
 def anyio_backend() -> str:
     """troupe runs on asyncio (pyzmq's asyncio sockets need it)."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Llama with the default model's tokenizer, built once per session."""
+    from troupe.models.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")

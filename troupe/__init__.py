@@ -1,0 +1,44 @@
+"""troupe: a small, fast, honest LLM inference engine, built as an actor graph on anyio.
+
+Public names: `LLM` (offline, blocking) and `AsyncLLM` (streaming) over the same actor graph,
+`SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`, `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from troupe.errors import EngineDeadError, InvalidInputError
+from troupe.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from troupe.facades.async_llm import AsyncLLM
+    from troupe.facades.llm import LLM
+    from troupe.outputs import CompletionOutput, RequestOutput
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineDeadError",
+    "InvalidInputError",
+]
+
+_LAZY = {
+    "LLM": "troupe.facades.llm",
+    "AsyncLLM": "troupe.facades.async_llm",
+    "RequestOutput": "troupe.outputs",
+    "CompletionOutput": "troupe.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # torch and transformers load only when an engine is first used: `import troupe` stays cheap.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'troupe' has no attribute {name!r}")

@@ -1,0 +1,167 @@
+"""The engine-core actor: runs an `EngineCore`, stepping in a worker thread.
+
+Inbox:    `EngineInput` (AddRequest, AbortRequest, UtilityCall) from the frontend.
+Outbox:   `EngineOutput`: one `EngineCoreOutputs` per step, `UtilityResult`s, and `EngineDead`
+          if the engine fails (then the actor stops stepping).
+Owns:     the EngineCore (not thread-safe: it is only touched by one task at a time, either the
+          step thread or, between steps, the event loop).
+Shutdown: the inbox closing (EndOfStream) ends the actor after the step in flight; cancelling
+          its task group waits for the step in flight (a thread cannot be interrupted).
+
+The inbox reader never waits for the model: messages are queued in `_pending` while a step runs
+and applied between steps, so adds and aborts keep flowing during a forward pass.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import AsyncGenerator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, NamedTuple, assert_never
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.core.engine_core import EngineCore
+from troupe.errors import InvalidInputError
+from troupe.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineInput,
+    EngineOutput,
+    FinishReason,
+    UtilityCall,
+    UtilityResult,
+)
+
+log = structlog.get_logger("troupe.engine")
+
+# Methods the frontend may call on the engine with a UtilityCall.
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "echo", "fail"})
+
+
+class EngineActorStats(NamedTuple):
+    steps: int
+    pending: int
+    unfinished: bool
+
+
+class EngineCoreActor(anyio.AsyncContextManagerMixin):
+    def __init__(self, make_core: Callable[[], EngineCore] | EngineCore,
+                 inbox: MemoryObjectReceiveStream[EngineInput],
+                 outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0) -> None:
+        self._make_core = make_core
+        self.core: EngineCore | None = make_core if isinstance(make_core, EngineCore) else None
+        self._inbox = inbox
+        self._outbox = outbox
+        self.engine_index = engine_index
+        self._pending: list[EngineInput] = []
+        self._wakeup = anyio.Event()
+        self._inbox_closed = False
+        self._steps = 0
+
+    def statistics(self) -> EngineActorStats:
+        unfinished = self.core.has_unfinished_requests() if self.core else False
+        return EngineActorStats(self._steps, len(self._pending), unfinished)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[EngineCoreActor]:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self._run)
+            yield self
+            tg.cancel_scope.cancel()
+
+    async def _run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)
+        async with self._outbox:
+            if self.core is None:
+                assert callable(self._make_core)
+                self.core = await anyio.to_thread.run_sync(self._make_core)
+            task_status.started()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read_inbox)
+                await self._step_loop(self.core)
+                tg.cancel_scope.cancel()
+
+    async def _read_inbox(self) -> None:
+        async with self._inbox:
+            async for msg in self._inbox:
+                self._pending.append(msg)
+                self._wakeup.set()
+        self._inbox_closed = True
+        self._wakeup.set()
+
+    async def _step_loop(self, core: EngineCore) -> None:
+        while True:
+            await self._apply_pending(core)
+            if not core.has_unfinished_requests():
+                if self._inbox_closed:
+                    return
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            try:
+                outputs = await anyio.to_thread.run_sync(core.step)
+            except Exception as exc:  # the engine is broken: say so, and stop
+                log.error("engine step failed", exc_info=exc)
+                reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                await self._outbox.send(EngineDead(reason=reason, engine_index=self.engine_index))
+                return
+            self._steps += 1
+            await self._outbox.send(outputs)
+
+    async def _apply_pending(self, core: EngineCore) -> None:
+        pending, self._pending = self._pending, []
+        errors: list[EngineCoreOutput] = []
+        for msg in pending:
+            match msg:
+                case AddRequest():
+                    with structlog.contextvars.bound_contextvars(request_id=msg.external_id):
+                        try:
+                            core.add_request(msg)
+                        except InvalidInputError as exc:  # a per-request failure, not an engine failure
+                            log.warning("request rejected", error=str(exc))
+                            errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR,
+                                                           error=str(exc)))
+                        else:
+                            log.debug("request added", prompt_tokens=len(msg.prompt_token_ids))
+                case AbortRequest():
+                    core.abort_requests(msg.request_ids)
+                case UtilityCall():
+                    await self._outbox.send(self._call_utility(core, msg))
+                case _:
+                    assert_never(msg)
+        if errors:
+            await self._outbox.send(EngineCoreOutputs(engine_index=self.engine_index, outputs=errors,
+                                                      finished_requests=[e.request_id for e in errors]))
+
+    def _call_utility(self, core: EngineCore, call: UtilityCall) -> UtilityResult:
+        try:
+            if call.method not in UTILITY_METHODS:
+                raise AttributeError(f"no utility method {call.method!r}; known: {sorted(UTILITY_METHODS)}")
+            result: Any = getattr(self, f"_utility_{call.method}")(core, *call.args)
+        except Exception as exc:
+            return UtilityResult(call.call_id, failure=f"Call to {call.method} method failed: {exc}",
+                                 engine_index=self.engine_index)
+        return UtilityResult(call.call_id, result=result, engine_index=self.engine_index)
+
+    @staticmethod
+    def _utility_reset_prefix_cache(core: EngineCore) -> bool:
+        return core.reset_prefix_cache()
+
+    @staticmethod
+    def _utility_get_stats(core: EngineCore) -> dict[str, Any]:
+        return core.get_stats()
+
+    @staticmethod
+    def _utility_echo(core: EngineCore, value: Any) -> Any:
+        return value
+
+    @staticmethod
+    def _utility_fail(core: EngineCore, message: str) -> None:
+        raise RuntimeError(message)

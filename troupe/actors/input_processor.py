@@ -1,0 +1,160 @@
+"""The input processor actor: prompts -> validated `AddRequest`s for the engine side.
+
+Inbox:    `Submission`s from the facades (prompt or chat messages, params, ids, a reply slot), and
+          the facades' `AbortRequest`s and `UtilityCall`s, passed through in order (an abort
+          never overtakes the add it cancels).
+Outbox:   `AddRequest`s towards the engine(s) (balancer or engine core).
+Owns:     the tokenizer; one task per long prompt (tokenized in a worker thread).
+Shutdown: EndOfStream on the inbox, or cancellation.
+
+Each submission is answered through its reply slot with the request's `RequestStream` (already
+registered in the `RequestTable`, so no output can overtake it) or with the validation error.
+Short prompts are handled inline, in order; a prompt longer than `offload_chars` is tokenized in a
+worker thread in its own task, so one huge prompt does not hold up the event loop or other
+submissions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.actors.requests import RequestStream, RequestTable
+from troupe.inputs import (
+    ChatMessages,
+    ModelLimits,
+    PromptType,
+    build_request,
+    render_chat,
+    split_prompt,
+    tokenize,
+)
+from troupe.messages import AbortRequest, EngineInput, UtilityCall
+from troupe.sampling_params import SamplingParams
+
+log = structlog.get_logger("troupe.input")
+
+
+@dataclass(slots=True)
+class Submission:
+    external_id: str
+    params: SamplingParams
+    prompt: PromptType | None = None
+    messages: ChatMessages | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+    data_parallel_rank: int | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+    stream: RequestStream | None = None
+    error: BaseException | None = None
+    abandoned: bool = False  # the caller went away before the reply: do not send to the engine
+
+    async def wait(self) -> RequestStream:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.stream is not None
+        return self.stream
+
+
+FrontendInput = Submission | AbortRequest | UtilityCall
+
+
+class InputProcessorStats(NamedTuple):
+    submitted: int
+    offloaded: int
+    rejected: int
+
+
+class InputProcessor(anyio.AsyncContextManagerMixin):
+    def __init__(self, tokenizer: Any, limits: ModelLimits, table: RequestTable,
+                 inbox: MemoryObjectReceiveStream[FrontendInput], outbox: MemoryObjectSendStream[EngineInput],
+                 *, offload_chars: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._table = table
+        self._inbox = inbox
+        self._outbox = outbox
+        self.offload_chars = offload_chars
+        self._submitted = self._offloaded = self._rejected = 0
+
+    def statistics(self) -> InputProcessorStats:
+        return InputProcessorStats(self._submitted, self._offloaded, self._rejected)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[InputProcessor]:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.run)
+            yield self
+            tg.cancel_scope.cancel()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        structlog.contextvars.bind_contextvars(actor="input_processor")
+        task_status.started()
+        async with self._inbox, self._outbox, anyio.create_task_group() as tg:
+            async for msg in self._inbox:
+                if isinstance(msg, AbortRequest | UtilityCall):
+                    await self._outbox.send(msg)
+                else:
+                    await self._handle(msg, tg)
+
+    async def _handle(self, sub: Submission, tg: TaskGroup) -> None:
+        with structlog.contextvars.bound_contextvars(request_id=sub.external_id):
+            try:
+                text, ids = self._prompt_parts(sub)
+                if ids is None and text is not None and len(text) > self.offload_chars:
+                    self._offloaded += 1
+                    tg.start_soon(self._tokenize_then_send, sub, text)
+                    return
+                if ids is None:
+                    assert text is not None
+                    ids = tokenize(self.tokenizer, text)
+            except Exception as exc:
+                self._reject(sub, exc)
+                return
+            await self._send(sub, text, ids)
+
+    def _prompt_parts(self, sub: Submission) -> tuple[str | None, list[int] | None]:
+        if sub.messages is not None:
+            return render_chat(self.tokenizer, sub.messages, sub.add_generation_prompt, sub.chat_template), None
+        assert sub.prompt is not None
+        return split_prompt(sub.prompt)
+
+    async def _tokenize_then_send(self, sub: Submission, text: str) -> None:
+        with structlog.contextvars.bound_contextvars(request_id=sub.external_id):
+            try:
+                ids = await anyio.to_thread.run_sync(tokenize, self.tokenizer, text)
+            except Exception as exc:
+                self._reject(sub, exc)
+                return
+            await self._send(sub, text, ids)
+
+    async def _send(self, sub: Submission, text: str | None, ids: list[int]) -> None:
+        try:
+            req = build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
+                                external_id=sub.external_id, priority=sub.priority,
+                                data_parallel_rank=sub.data_parallel_rank)
+            if sub.abandoned:
+                return
+            sub.stream = self._table.register(req, text)
+        except Exception as exc:
+            self._reject(sub, exc)
+            return
+        self._submitted += 1
+        sub.done.set()
+        log.debug("request submitted", prompt_tokens=len(ids), internal_id=req.request_id)
+        await self._outbox.send(req)
+
+    def _reject(self, sub: Submission, exc: BaseException) -> None:
+        self._rejected += 1
+        log.info("request rejected", error=str(exc))
+        sub.error = exc
+        sub.done.set()

@@ -1,0 +1,90 @@
+"""The output handler actor: engine outputs -> per-request `RequestOutput`s.
+
+Inbox:    `EngineOutput` from the engine(s) (through the balancer when there are several).
+Outbox:   `AbortRequest`s to the engine side for requests that finished on a stop string (the
+          engine does not know about stop strings), and per-request streams (`RequestStream`).
+Owns:     nothing but its task; request state lives in the shared `RequestTable`.
+Shutdown: EndOfStream on the inbox, or cancellation.
+
+Each `EngineCoreOutputs` is processed in slices of at most `chunk_size` entries with a checkpoint
+between slices, so a step with thousands of requests never holds the event loop for long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from typing import NamedTuple, assert_never
+
+import anyio
+import anyio.lowlevel
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.actors.requests import RequestTable
+from troupe.messages import (
+    AbortRequest,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineInput,
+    EngineOutput,
+    UtilityResult,
+)
+
+log = structlog.get_logger("troupe.output")
+
+
+class OutputHandlerStats(NamedTuple):
+    steps_processed: int
+    entries_processed: int
+    slices: int
+
+
+class OutputHandler(anyio.AsyncContextManagerMixin):
+    def __init__(self, table: RequestTable, inbox: MemoryObjectReceiveStream[EngineOutput],
+                 to_engine: MemoryObjectSendStream[EngineInput], *, chunk_size: int = 128) -> None:
+        self._table = table
+        self._inbox = inbox
+        self._to_engine = to_engine
+        self.chunk_size = chunk_size
+        self._steps = self._entries = self._slices = 0
+
+    def statistics(self) -> OutputHandlerStats:
+        return OutputHandlerStats(self._steps, self._entries, self._slices)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[OutputHandler]:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.run)
+            yield self
+            tg.cancel_scope.cancel()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        structlog.contextvars.bind_contextvars(actor="output_handler")
+        task_status.started()
+        async with self._inbox, self._to_engine:
+            async for msg in self._inbox:
+                match msg:
+                    case EngineCoreOutputs():
+                        await self._process(msg)
+                    case UtilityResult():
+                        self._table.resolve_utility(msg)
+                    case EngineDead():
+                        log.error("engine died", engine=msg.engine_index, reason=msg.reason)
+                        self._table.fail_all(msg.reason)
+                    case _:
+                        assert_never(msg)
+
+    async def _process(self, msg: EngineCoreOutputs) -> None:
+        self._steps += 1
+        self._table.record_stats(msg)
+        outputs = msg.outputs
+        for start in range(0, len(outputs), self.chunk_size):
+            if start:
+                await anyio.lowlevel.checkpoint()  # let other tasks run between slices
+            to_abort = self._table.process_slice(outputs[start:start + self.chunk_size])
+            self._slices += 1
+            if to_abort:
+                await self._to_engine.send(AbortRequest(to_abort))
+        self._entries += len(outputs)

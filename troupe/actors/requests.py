@@ -1,0 +1,166 @@
+"""`RequestTable`: the frontend's book of live requests, shared by the actors of one graph.
+
+It holds the pure `OutputProcessor` (detokenization, stop strings, output kinds), one
+`RequestStream` per request for its consumer, the map from user ids to internal ids, pending
+utility calls and the latest engine stats. All of it is touched from the graph's event loop only,
+so no locks: the input processor registers a request *before* sending it to the engine, which
+orders registration before any output for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+
+from troupe.errors import EngineDeadError
+from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, SchedulerStats, UtilityResult
+from troupe.output.collector import RequestOutputCollector
+from troupe.output.processor import OutputProcessor
+from troupe.outputs import RequestOutput
+from troupe.sampling_params import RequestOutputKind
+
+
+class RequestStream:
+    """One request's outputs for its consumer: a pure collector plus a wake-up event."""
+
+    def __init__(self, request_id: str, external_id: str, output_kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.external_id = external_id
+        self._collector = RequestOutputCollector(output_kind)
+        self._ready = anyio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._collector.put(output)
+        self._ready.set()
+
+    def put_error(self, exc: BaseException) -> None:
+        self._collector.put_error(exc)
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return self._collector.get_nowait()
+
+    async def get(self) -> RequestOutput:
+        """The next output (merged with any it was behind on), or the request's error raised."""
+        while True:
+            out = self._collector.get_nowait()
+            if out is not None:
+                return out
+            await self._ready.wait()
+            self._ready = anyio.Event()
+
+
+class RequestTable:
+    def __init__(self, tokenizer: Any) -> None:
+        self.processor = OutputProcessor(tokenizer)
+        self.streams: dict[str, RequestStream] = {}
+        self.by_external: defaultdict[str, set[str]] = defaultdict(set)
+        self.dead_error: EngineDeadError | None = None
+        self.engine_stats: dict[int, SchedulerStats] = {}
+        self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
+        self._call_ids = itertools.count()
+
+    # ------------------------------------------------------------ request lifecycle
+
+    def register(self, req: AddRequest, prompt_text: str | None) -> RequestStream:
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.processor.add_request(req.request_id, req.external_id, prompt_text, req.prompt_token_ids,
+                                   req.params)
+        stream = RequestStream(req.request_id, req.external_id, req.params.output_kind)
+        self.streams[req.request_id] = stream
+        self.by_external[req.external_id].add(req.request_id)
+        return stream
+
+    def _drop(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            ids = self.by_external.get(stream.external_id)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self.by_external[stream.external_id]
+
+    def process_slice(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """Deliver one slice of engine outputs; returns ids the engine must abort (stop strings)."""
+        processed = self.processor.process_outputs(outputs)
+        for rid, out in processed.request_outputs.items():
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    self._drop(rid)
+        for out in outputs:  # engine-side errors for one request (e.g. rejected at add)
+            if out.error is not None and out.request_id in self.streams:
+                self.streams[out.request_id].put_error(ValueError(out.error))
+                self._drop(out.request_id)
+        return list(processed.reqs_to_abort)
+
+    def internal_ids(self, request_ids: str | Iterable[str]) -> list[str]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        return [internal for ext in ids for internal in self.by_external.get(ext, ())]
+
+    def abort(self, internal_ids: Iterable[str]) -> list[str]:
+        """Finish these requests with finish_reason 'abort'; returns those that were live."""
+        live = [rid for rid in internal_ids if rid in self.streams]
+        finals = self.processor.abort_requests(live)
+        for rid in live:
+            stream = self.streams[rid]
+            final = finals.get(rid)
+            if final is not None:
+                stream.put(final)
+            self._drop(rid)
+        return live
+
+    def fail_all(self, reason: str, cause: BaseException | None = None) -> EngineDeadError:
+        """The engine is gone: every live and every future request gets `EngineDeadError`."""
+        if self.dead_error is None:
+            err = EngineDeadError(f"EngineCore died: {reason}")
+            err.__cause__ = cause
+            self.dead_error = err
+        for rid, stream in list(self.streams.items()):
+            stream.put_error(self.dead_error)
+            self._drop(rid)
+        self.processor.abort_requests(list(self.processor.request_ids()))
+        for event, _ in self._calls.values():
+            event.set()
+        return self.dead_error
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.streams)
+
+    # ------------------------------------------------------------ stats and utility calls
+
+    def record_stats(self, msg: EngineCoreOutputs) -> None:
+        if msg.scheduler_stats is not None:
+            self.engine_stats[msg.engine_index] = msg.scheduler_stats
+
+    def new_call(self) -> tuple[int, anyio.Event, list[UtilityResult]]:
+        call_id = next(self._call_ids)
+        event, box = anyio.Event(), []
+        self._calls[call_id] = (event, box)
+        return call_id, event, box
+
+    def end_call(self, call_id: int) -> None:
+        self._calls.pop(call_id, None)
+
+    def resolve_utility(self, result: UtilityResult) -> None:
+        entry = self._calls.get(result.call_id)
+        if entry is not None:
+            event, box = entry
+            box.append(result)
+            event.set()
+
+    def utility_result(self, box: list[UtilityResult], method: str) -> Any:
+        if not box:
+            assert self.dead_error is not None
+            raise self.dead_error
+        result = box[0]
+        if result.failure is not None:
+            raise RuntimeError(result.failure)
+        return result.result

@@ -1,0 +1,152 @@
+"""`troupe bench`: offline throughput of troupe against Hugging Face transformers, same run.
+
+Workload (issue #2): 64 prompts of 20..400 tokens, 128 new tokens each, greedy with ignore_eos,
+on the default model. Prints, each as the median of `--repeats` runs:
+- troupe through `LLM.generate` (the actor graph) and through a bare `EngineCore` loop;
+- transformers' batched `generate` (left padding), best of the batch sizes in `--hf-batch-sizes`;
+- their ratio, troupe's start-up time (constructor to ready) and peak memory (RSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_TEXT = (
+    "The history of computing is a story of layers. Each generation of engineers built tools that "
+    "hid the details of the one before, so that the next could think about larger problems. "
+    "Punched cards gave way to terminals, terminals to windows, and windows to networks of machines "
+    "that talk to each other faster than any person could follow. "
+)
+
+
+def make_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of lo..hi tokens (uniform), cut from natural text, each with a distinct start."""
+    rng = random.Random(seed)
+    base = tokenizer(_TEXT * 40, add_special_tokens=False)["input_ids"]
+    prompts = []
+    for i in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randint(0, len(base) - length - 1)
+        ids = tokenizer(f"Document {i}:", add_special_tokens=False)["input_ids"] + base[start:start + length]
+        prompts.append(ids[:length])
+    return prompts
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def bench_troupe(args: argparse.Namespace) -> dict[str, Any]:
+    from troupe import LLM, SamplingParams
+    from troupe.config import EngineConfig
+    from troupe.core.engine_core import EngineCore
+    from troupe.messages import AddRequest
+
+    opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    llm = LLM(**opts)
+    startup = time.perf_counter() - t0
+    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.min_len, args.max_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    graph_runs = []
+    try:
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            elapsed = time.perf_counter() - t
+            graph_runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    finally:
+        llm.close()
+    core = EngineCore(EngineConfig(**opts))  # type: ignore[arg-type]
+    core_runs = []
+    for r in range(args.repeats):
+        t = time.perf_counter()
+        for i, p in enumerate(prompts):
+            core.add_request(AddRequest(f"{r}-{i}", p, params, args.max_tokens))
+        produced = 0
+        while core.has_unfinished_requests():
+            produced += sum(len(o.new_token_ids) for o in core.step().outputs)
+        core_runs.append(produced / (time.perf_counter() - t))
+    return {"startup_s": startup, "graph_tok_s": statistics.median(graph_runs),
+            "core_tok_s": statistics.median(core_runs), "peak_rss_gib": peak_rss_gib()}
+
+
+def bench_hf(args: argparse.Namespace, batch_sizes: Sequence[int]) -> dict[int, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from troupe.models.loader import resolve_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+    prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    results = {}
+    for bs in batch_sizes:
+        runs = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            produced = 0
+            for start in range(0, len(prompts), bs):
+                chunk = prompts[start:start + bs]
+                width = max(len(p) for p in chunk)
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+                with torch.inference_mode():
+                    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                         max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                                         pad_token_id=pad)
+                produced += (out.shape[1] - width) * len(chunk)
+            runs.append(produced / (time.perf_counter() - t))
+        results[bs] = statistics.median(runs)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="troupe bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=20)
+    p.add_argument("--max-len", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--hf-batch-sizes", default="16,64")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args(argv)
+
+    res = bench_troupe(args)
+    print(f"troupe start-up (constructor to ready): {res['startup_s']:.2f} s")
+    print(f"troupe peak memory (RSS):               {res['peak_rss_gib']:.2f} GiB")
+    print(f"troupe LLM.generate (actor graph):      {res['graph_tok_s']:.1f} output tok/s")
+    print(f"troupe bare EngineCore loop:            {res['core_tok_s']:.1f} output tok/s")
+    print(f"  LLM.generate / bare EngineCore:       {res['graph_tok_s'] / res['core_tok_s']:.3f}")
+    if not args.skip_hf:
+        hf = bench_hf(args, [int(b) for b in args.hf_batch_sizes.split(",")])
+        for bs, v in hf.items():
+            print(f"transformers generate, batch {bs:>3}:      {v:.1f} output tok/s")
+        best = max(hf.values())
+        print(f"ratio troupe (LLM.generate) / best transformers: {res['graph_tok_s'] / best:.2f}x")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

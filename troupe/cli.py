@@ -1,0 +1,135 @@
+"""The `troupe` command line: `generate`, `chat` and `bench`.
+
+`troupe generate "prompt"` streams one answer to the terminal; `troupe chat` is an interactive
+conversation through the model's chat template; `troupe bench` runs the offline benchmark. All
+use the default model (SmolLM2-135M-Instruct) unless `--model` names another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from troupe.config import DEFAULT_MODEL
+from troupe.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face style folder, or the default model's name")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos, output_kind=RequestOutputKind.DELTA)
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from troupe.facades.async_llm import AsyncLLM
+
+    async with AsyncLLM(**engine_options(args)) as llm:
+        params = sampling_params(args)
+        gen = llm.chat([{"role": "user", "content": args.prompt}], params) if args.chat_template \
+            else llm.generate(args.prompt, params)
+        async for out in gen:
+            sys.stdout.write(out.outputs[0].text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+async def _chat(args: argparse.Namespace) -> None:
+    from troupe.facades.async_llm import AsyncLLM
+
+    async with AsyncLLM(**engine_options(args)) as llm:
+        messages: list[dict[str, str]] = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        print("troupe chat: an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
+        while True:
+            try:
+                line = await anyio.to_thread.run_sync(input, "> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply = []
+            async for out in llm.chat(messages, sampling_params(args)):
+                piece = out.outputs[0].text
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="troupe", description="troupe: a small LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream the answer to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user chat message")
+    _engine_args(gen)
+    _sampling_args(gen)
+    chat = sub.add_parser("chat", help="an interactive conversation")
+    chat.add_argument("--system", default=None, help="a system message")
+    _engine_args(chat)
+    _sampling_args(chat)
+    bench = sub.add_parser("bench", help="offline throughput benchmark (see docs/benchmarks.md)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            anyio.run(_generate, args)
+        elif args.command == "chat":
+            anyio.run(_chat, args)
+        elif args.command == "bench":
+            from troupe.bench import main as bench_main
+
+            return bench_main(args.rest)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:
+        print(f"troupe: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

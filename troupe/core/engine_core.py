@@ -1,0 +1,133 @@
+"""`EngineCore`: scheduler + KV cache manager + model runner + sampler, stepped synchronously.
+
+No I/O and no event loop: the engine-core actor (or a plain loop) calls it.
+
+Flow of one `step()`:
+1. the scheduler picks this step's requests and token counts (continuous batching, chunked
+   prefill, preemption when KV blocks run out);
+2. the model runner computes the scheduled tokens through the paged KV cache and returns logits
+   for the requests whose chunk reached their last token;
+3. the sampler picks one token for each of those;
+4. the scheduler appends them, checks stop conditions, frees finished requests and returns one
+   `EngineCoreOutput` per request with something new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+import torch
+
+from troupe.config import EngineConfig
+from troupe.core.kv_cache import KVCacheManager
+from troupe.core.model_runner import ModelRunner
+from troupe.core.request import Request
+from troupe.core.sampler import Sampler, SamplingRow
+from troupe.core.scheduler import Scheduler
+from troupe.errors import InvalidInputError
+from troupe.inputs import ModelLimits, validate_prompt_ids
+from troupe.messages import AddRequest, EngineCoreOutputs, FinishReason
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, engine_index: int = 0,
+                 model_runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.runner = model_runner if model_runner is not None else ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        self.sampler = Sampler(seed=config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._requests: dict[str, Request] = {}
+        self._aborted_since_last_step: list[str] = []
+        self.step_counter = 0
+        self.limits = ModelLimits(
+            vocab_size=self.runner.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(self.runner.info.eos_token_ids),
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens one request can hold when it has the whole pool."""
+        return self.kv.num_usable_blocks * self.runner.block_size
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue a request. Raises `InvalidInputError` (the engine is unaffected) if it is invalid."""
+        if msg.request_id in self._requests:
+            raise InvalidInputError("request_id", f"{msg.request_id!r} is already running in this engine")
+        validate_prompt_ids(msg.prompt_token_ids, self.limits)
+        if msg.max_tokens < 1:
+            raise InvalidInputError("max_tokens", f"must be >= 1, got {msg.max_tokens}")
+        req = Request.from_message(msg)
+        # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
+        req.max_tokens = min(req.max_tokens, self.kv_capacity_tokens - req.num_prompt_tokens)
+        if msg.params.seed is not None:
+            self._generators[msg.request_id] = torch.Generator().manual_seed(msg.params.seed)
+        self._requests[msg.request_id] = req
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Stop these requests and free their blocks; unknown or finished ids are ignored."""
+        ids = [r for r in request_ids if r in self._requests]
+        aborted = self.scheduler.finish_requests(ids, FinishReason.ABORT)
+        for rid in aborted:
+            self._forget(rid)
+        self._aborted_since_last_step.extend(aborted)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, int | float]:
+        """The scheduler's latest counters plus the KV pool's size."""
+        stats = msgspec.structs.asdict(self.scheduler.stats(step_counter=self.step_counter))
+        stats.update(num_kv_blocks=self.kv.num_usable_blocks, block_size=self.runner.block_size,
+                     engine_index=self.engine_index)
+        return stats
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one scheduling + forward + sampling iteration."""
+        sched_out = self.scheduler.schedule()
+        sampled: dict[str, int] = {}
+        if sched_out.scheduled:
+            seqs = self.scheduler.to_scheduled_seqs(sched_out)
+            logits = self.runner.execute(seqs)  # (S, V)
+            sampling_reqs = [self._requests[s.request_id] for s in seqs if s.needs_logits]
+            if sampling_reqs:
+                rows = [self._sampling_row(r) for r in sampling_reqs]
+                tokens = self.sampler.sample(logits, rows)
+                sampled = {r.request_id: t for r, t in zip(sampling_reqs, tokens, strict=True)}
+            self.step_counter += 1
+        outputs, finished = self.scheduler.update_from_output(sched_out, sampled)
+        for rid in finished:
+            self._forget(rid)
+        finished = self._aborted_since_last_step + list(finished)
+        self._aborted_since_last_step = []
+        stats = self.scheduler.stats(step_counter=self.step_counter)
+        return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs,
+                                 scheduler_stats=stats, finished_requests=finished)
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        suppressed: frozenset[int] = frozenset()
+        if req.num_output_tokens < req.params.min_tokens:
+            suppressed = req.eos_token_ids | req.stop_token_ids
+        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed)

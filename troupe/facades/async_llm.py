@@ -1,0 +1,176 @@
+"""`AsyncLLM`: the streaming engine, `async with AsyncLLM(model=...) as llm:`.
+
+1. Entering starts the actor graph (engine side first) and returns once it is ready.
+2. `generate()` submits the prompt to the input processor, gets the request's stream back (or the
+   validation error) and yields `RequestOutput`s until one has `finished=True`.
+3. A consumer that stops early (break, cancellation, exception) aborts its request in the engine
+   from a shielded `finally`.
+4. `abort(ids)` ends those streams with a final `finish_reason="abort"` output.
+5. Leaving the context aborts what is left and stops every actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+
+from troupe.actors.graph import Graph
+from troupe.actors.input_processor import Submission
+from troupe.actors.requests import RequestStream
+from troupe.config import EngineConfig
+from troupe.core.engine_core import EngineCore
+from troupe.errors import EngineDeadError
+from troupe.inputs import ChatMessages, PromptType, next_request_id
+from troupe.log import configure_logging
+from troupe.messages import AbortRequest, UtilityCall
+from troupe.outputs import RequestOutput
+from troupe.sampling_params import SamplingParams
+
+
+class AsyncLLM(anyio.AsyncContextManagerMixin):
+    def __init__(self, model: str | None = None, *, make_core: Callable[[EngineConfig], EngineCore] | None = None,
+                 **engine_options: Any) -> None:
+        if model is not None:
+            engine_options["model"] = model
+        self.config = EngineConfig(**engine_options)
+        configure_logging()
+        self._make_core = make_core
+        self._graph: Graph | None = None
+        self._stopped = False
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[AsyncLLM]:
+        async with Graph(self.config, make_core=self._make_core) as graph:
+            self._graph = graph
+            try:
+                yield self
+            finally:
+                self._stopped = True
+
+    # ------------------------------------------------------------------ state
+
+    def _running_graph(self) -> Graph:
+        if self._graph is None or self._stopped:
+            raise RuntimeError("AsyncLLM is not running; use it as `async with AsyncLLM(...) as llm:`")
+        if self._graph.table.dead_error is not None:
+            raise self._graph.table.dead_error
+        return self._graph
+
+    @property
+    def errored(self) -> bool:
+        return self._graph is not None and self._graph.table.dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        if self._graph is not None and self._graph.table.dead_error is not None:
+            return self._graph.table.dead_error
+        return EngineDeadError()
+
+    @property
+    def is_running(self) -> bool:
+        return self._graph is not None and not self._stopped and not self.errored
+
+    async def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine is dead."""
+        if self.errored:
+            raise self.dead_error
+
+    def get_tokenizer(self) -> Any:
+        return self._running_graph().tokenizer
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self._graph.table.num_unfinished if self._graph else 0
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(self, prompt: PromptType | None, params: SamplingParams | None = None,
+                          request_id: str | None = None, *, messages: ChatMessages | None = None,
+                          priority: int = 0, data_parallel_rank: int | None = None,
+                          chat_template: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
+        """Submit one request; returns its stream, or raises the validation error."""
+        graph = self._running_graph()
+        assert graph.submit is not None
+        sub = Submission(external_id=request_id if request_id is not None else next_request_id(),
+                         params=params if params is not None else SamplingParams(),
+                         prompt=prompt, messages=messages, chat_template=chat_template,
+                         add_generation_prompt=add_generation_prompt, priority=priority,
+                         data_parallel_rank=data_parallel_rank)
+        try:
+            await graph.submit.send(sub)
+            return await sub.wait()
+        except BaseException:
+            sub.abandoned = True
+            if sub.stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._abort_internal([sub.stream.request_id])
+            raise
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput]:
+        """Stream the outputs of one request until it finishes."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
+                                        data_parallel_rank=data_parallel_rank)
+        async for out in self._follow(stream):
+            yield out
+
+    async def chat(self, messages: ChatMessages, sampling_params: SamplingParams | None = None,
+                   request_id: str | None = None, *, chat_template: str | None = None,
+                   add_generation_prompt: bool = True) -> AsyncGenerator[RequestOutput]:
+        """`generate` for a conversation rendered by the model's chat template."""
+        stream = await self.add_request(None, sampling_params, request_id, messages=messages,
+                                        chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+        async for out in self._follow(stream):
+            yield out
+
+    async def _follow(self, stream: RequestStream) -> AsyncGenerator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # the consumer went away: stop the work in the engine
+                with anyio.CancelScope(shield=True):
+                    await self._abort_internal([stream.request_id])
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests by the user's id(s): each stream ends with finish_reason='abort'."""
+        if self._graph is None:
+            return
+        await self._abort_internal(self._graph.table.internal_ids(request_id))
+
+    async def _abort_internal(self, internal_ids: list[str]) -> None:
+        graph = self._graph
+        if graph is None or not internal_ids:
+            return
+        live = graph.table.abort(internal_ids)
+        if live and graph.submit is not None and not self._stopped and graph.table.dead_error is None:
+            try:
+                await graph.submit.send(AbortRequest(live))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # shutting down: the engine goes away with everything in it
+
+    # ------------------------------------------------------------------ utility calls
+
+    async def _utility(self, method: str, *args: Any) -> Any:
+        graph = self._running_graph()
+        assert graph.submit is not None
+        call_id, done, box = graph.table.new_call()
+        try:
+            await graph.submit.send(UtilityCall(call_id, method, list(args)))
+            await done.wait()
+            return graph.table.utility_result(box, method)
+        finally:
+            graph.table.end_call(call_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._utility("reset_prefix_cache"))
+
+    async def get_stats(self) -> dict[str, Any]:
+        return dict(await self._utility("get_stats"))

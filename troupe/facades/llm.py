@@ -1,0 +1,177 @@
+"""`LLM`: the offline batch API, a blocking portal onto the same actor graph as `AsyncLLM`.
+
+1. `LLM(...)` starts a `BlockingPortal` (an event loop in a thread) and enters an `AsyncLLM`
+   through it; there is no second engine loop.
+2. `generate(prompts, params)` runs one coroutine in the portal that submits every prompt with
+   `FINAL_ONLY` outputs and gathers the results in input order (a progress bar shows input and
+   output tokens/s).
+3. Ctrl-C during `generate` cancels that coroutine: its requests are aborted in the engine and
+   `KeyboardInterrupt` reaches the caller at once.
+4. `close()` (or leaving `with`) shuts the graph down and joins the portal thread; a
+   `weakref.finalize` does the same for a user who forgets, so interpreter exit never hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from troupe.facades.async_llm import AsyncLLM
+from troupe.inputs import ChatMessages, PromptType
+from troupe.outputs import RequestOutput
+from troupe.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _shutdown(portal: BlockingPortal, stack: contextlib.ExitStack) -> None:
+    try:
+        stack.close()
+    except RuntimeError:  # the portal's loop is already gone (interpreter exit)
+        with contextlib.suppress(RuntimeError):
+            portal.call(portal.stop, True)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self._stack = contextlib.ExitStack()
+        self._portal = self._stack.enter_context(start_blocking_portal("asyncio"))
+        try:
+            self._engine = AsyncLLM(model, **engine_options)
+            self._stack.enter_context(self._portal.wrap_async_context_manager(self._engine))
+        except BaseException:
+            self._stack.close()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._stack)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the engine and the portal thread. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def config(self) -> Any:
+        return self._engine.config
+
+    def get_tokenizer(self) -> Any:
+        return self._engine.get_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call(self._engine.reset_prefix_cache)
+
+    def get_stats(self) -> dict[str, Any]:
+        return self._call(self._engine.get_stats)
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM is closed")
+        future = self._portal.start_task_soon(fn, *args)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()  # the coroutine aborts its requests from its own cleanup
+            raise
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; the outputs come back in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        jobs = [{"prompt": p} for p in prompts]
+        return self._call(self._run_batch, jobs, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate a reply for one conversation or a list of them, through the chat template."""
+        conversations: list[ChatMessages]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        jobs = [{"messages": c, "chat_template": chat_template, "add_generation_prompt": add_generation_prompt}
+                for c in conversations]
+        return self._call(self._run_batch, jobs, sampling_params, use_tqdm, None)
+
+    async def _run_batch(self, jobs: list[dict[str, Any]],
+                         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                         use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        params_list = _per_prompt(sampling_params, len(jobs))
+        priorities = list(priority) if priority is not None else [0] * len(jobs)
+        if len(priorities) != len(jobs):
+            raise ValueError(f"priority: {len(priorities)} values for {len(jobs)} prompts")
+        results: list[RequestOutput | None] = [None] * len(jobs)
+        bar = _ProgressBar(len(jobs)) if use_tqdm else None
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, (job, params) in enumerate(zip(jobs, params_list, strict=True)):
+                    params = params.clone()
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
+                    if "messages" in job:
+                        stream = await self._engine.add_request(None, params, messages=job["messages"],
+                                                                chat_template=job["chat_template"],
+                                                                add_generation_prompt=job["add_generation_prompt"])
+                    else:
+                        stream = await self._engine.add_request(job["prompt"], params, priority=priorities[i])
+                    tg.start_soon(self._collect, stream, i, results, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    async def _collect(self, stream: Any, index: int, results: list[RequestOutput | None],
+                       bar: _ProgressBar | None) -> None:
+        async for out in self._engine._follow(stream):
+            if out.finished:
+                results[index] = out
+                if bar is not None:
+                    bar.update(out)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
+    return params
+
+
+class _ProgressBar:
+    """tqdm with input and output tokens/s, updated as requests finish."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        self._start = time.perf_counter()
+        self._in = self._out = 0
+
+    def update(self, out: RequestOutput) -> None:
+        self._in += len(out.prompt_token_ids or ())
+        self._out += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self._start, 1e-6)
+        self._bar.set_postfix_str(f"in: {self._in / elapsed:.0f} tok/s, out: {self._out / elapsed:.0f} tok/s",
+                                  refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,145 @@
+"""Prompt handling: turn what a user passes into a validated `AddRequest` (pure, no event loop).
+
+Accepted prompts (as in vLLM): a string; `{"prompt": str}`; `{"prompt_token_ids": [...]}`
+(vLLM's `TokensPrompt`); or, through `render_chat`, a conversation rendered by the model's chat
+template. Every check raises `InvalidInputError` naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from troupe.errors import InvalidInputError
+from troupe.messages import AddRequest
+from troupe.sampling_params import SamplingParams
+
+PromptType = str | Mapping[str, Any]
+ChatMessages = Sequence[Mapping[str, Any]]
+
+_counter = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the input processor checks prompts against."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    kv_capacity_tokens: int | None = None  # tokens one request can hold in the KV pool
+    data_parallel_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    prompt_text: str | None
+    prompt_token_ids: list[int]
+
+
+def make_request_id(external_id: str) -> str:
+    """A unique internal id; user ids may repeat."""
+    return f"{external_id}-{uuid.uuid4().hex[:8]}"
+
+
+def next_request_id() -> str:
+    return str(next(_counter))
+
+
+def split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    """(text, token ids): exactly one is set."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+                raise InvalidInputError("prompt_token_ids", "must be a list of integers")
+            return None, list(ids)
+        if "prompt" in prompt and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], None
+    raise InvalidInputError(
+        "prompt", f"must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+    )
+
+
+def tokenize(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of `text` as the model expects them (BOS added when the tokenizer adds one)."""
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> str:
+    """The conversation as text through the model's chat template."""
+    if not isinstance(messages, Sequence) or not messages:
+        raise InvalidInputError("messages", "must be a non-empty list of {'role', 'content'} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise InvalidInputError(f"messages[{i}]", "must be an object with 'role' and 'content'")
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template)
+    except ValueError as exc:  # no template, or a template error
+        raise InvalidInputError("messages", f"chat template failed: {exc}") from exc
+    return str(text)
+
+
+def validate_prompt_ids(ids: list[int], limits: ModelLimits) -> None:
+    if not ids:
+        raise InvalidInputError("prompt", "the prompt is empty; at least 1 token is needed")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
+            raise InvalidInputError(
+                "prompt_token_ids", f"token id {t!r} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+    if len(ids) >= limits.max_model_len:
+        raise InvalidInputError(
+            "prompt",
+            f"the prompt has {len(ids)} tokens; at most {limits.max_model_len - 1} fit the model's "
+            f"context of {limits.max_model_len} tokens (max_model_len) with room for one output token",
+        )
+    if limits.kv_capacity_tokens is not None and len(ids) + 1 > limits.kv_capacity_tokens:
+        raise InvalidInputError(
+            "prompt",
+            f"the prompt has {len(ids)} tokens but the KV cache holds at most {limits.kv_capacity_tokens} "
+            "tokens for one request; raise kv_cache_memory_bytes or shorten the prompt",
+        )
+
+
+def build_request(
+    *, prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits, external_id: str,
+    priority: int = 0, data_parallel_rank: int | None = None,
+) -> AddRequest:
+    """Validate and resolve one request (max_tokens, EOS ids, a unique internal id)."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
+    validate_prompt_ids(prompt_token_ids, limits)
+    for t in params.stop_token_ids or ():
+        if t >= limits.vocab_size:
+            raise InvalidInputError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
+    if not isinstance(priority, int):
+        raise InvalidInputError("priority", f"must be an integer, got {priority!r}")
+    if data_parallel_rank is not None and not 0 <= data_parallel_rank < limits.data_parallel_size:
+        raise InvalidInputError(
+            "data_parallel_rank",
+            f"must be in [0, {limits.data_parallel_size - 1}] (data_parallel_size={limits.data_parallel_size}), "
+            f"got {data_parallel_rank}",
+        )
+    room = limits.max_model_len - len(prompt_token_ids)
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    return AddRequest(
+        request_id=make_request_id(external_id),
+        prompt_token_ids=prompt_token_ids,
+        params=params,
+        max_tokens=max_tokens,
+        eos_token_ids=list(limits.eos_token_ids),
+        arrival_time=time.time(),
+        priority=priority,
+        external_id=external_id,
+        data_parallel_rank=data_parallel_rank,
+    )
