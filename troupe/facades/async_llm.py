@@ -25,7 +25,7 @@ from troupe.core.engine_core import EngineCore
 from troupe.errors import EngineDeadError
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
-from troupe.messages import AbortRequest, UtilityCall
+from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import SamplingParams
 
@@ -80,6 +80,11 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     def get_tokenizer(self) -> Any:
         return self._running_graph().tokenizer
+
+    @property
+    def engine_stats(self) -> dict[int, SchedulerStats]:
+        """The latest scheduler stats each engine published with its outputs, by engine index."""
+        return dict(self._graph.table.engine_stats) if self._graph else {}
 
     @property
     def num_unfinished_requests(self) -> int:
