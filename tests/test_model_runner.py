@@ -1,0 +1,178 @@
+"""ModelRunner: flattened steps, chunked prefill, decode and shared prefix blocks match transformers."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from troupe.config import EngineConfig
+from troupe.core.batch import ScheduledSeq
+from troupe.core.model_runner import DEFAULT_KV_CAP_BYTES, NULL_TOKEN_ID, ModelRunner
+from troupe.models.loader import resolve_model_path
+from troupe.models.testing import make_tiny_model
+
+torch.set_num_threads(1)
+
+SEQS = [
+    [5, 100, 2000, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+    [300, 301, 302, 303, 304, 305],
+    [49000, 3, 3],
+    [17, 4, 4, 4, 4, 4, 9, 99, 999, 9999, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, list[torch.Tensor]]]:
+    """One tiny folder per architecture, with transformers' logits for SEQS at every position."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for arch in ("llama", "qwen2", "mistral"):
+        folder = make_tiny_model(tmp_path_factory.mktemp(arch), arch=arch)
+        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        with torch.inference_mode():
+            out[arch] = (folder, [hf(torch.tensor([s])).logits[0] for s in SEQS])
+    return out
+
+
+class BlockTables:
+    """Hands out free blocks in shuffled order, so sequences get non-contiguous blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.block_size = block_size
+
+    def grow(self, table: list[int], num_tokens: int) -> list[int]:
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.free.pop())
+        return table
+
+
+def runner_for(folder: Path, block_size: int, num_blocks: int = 200) -> ModelRunner:
+    return ModelRunner(
+        EngineConfig(model=str(folder), dtype="float32", block_size=block_size, num_kv_blocks=num_blocks)
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_one_flattened_step_matches_transformers(tiny_models, arch, block_size):
+    """Several whole prompts of different lengths in one step give transformers' last-token logits."""
+    folder, ref = tiny_models[arch]
+    runner = runner_for(folder, block_size)
+    blocks = BlockTables(runner.num_blocks, block_size)
+    seqs = [ScheduledSeq(str(i), s, 0, blocks.grow([], len(s)), True) for i, s in enumerate(SEQS)]
+    logits = runner.execute(seqs)
+    assert logits.dtype == torch.float32 and logits.shape == (len(SEQS), 49152)
+    torch.testing.assert_close(logits, torch.stack([r[-1] for r in ref]), atol=1e-4, rtol=1e-4)
+
+
+# per step, per sequence: how many of its tokens to compute (0: not scheduled). A sequence's chunk asks for
+# logits only when it is a decode or ends its prompt (the first PROMPT_LEN tokens)
+SCHEDULE = [[5, 2, 0, 8], [1, 2, 3, 1], [3, 1, 0, 3]]
+PROMPT_LEN = [9, 4, 3, 12]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_chunked_prefill_and_decode_match_transformers(tiny_models, arch, block_size):
+    """Prompts fed in chunks mixed with decodes of other sequences, over several steps through the paged
+    cache, give transformers' logits at every position where logits are asked for, in order."""
+    folder, ref = tiny_models[arch]
+    runner = runner_for(folder, block_size)
+    blocks = BlockTables(runner.num_blocks, block_size, seed=block_size)
+    done, tables = [0] * len(SEQS), [[] for _ in SEQS]
+    steps = SCHEDULE + [[1] * len(SEQS)] * 12  # then plain decodes until every sequence is fed
+    compared = 0
+    for step in steps:
+        batch, expected = [], []
+        for i, n in enumerate(step):
+            n = min(n, len(SEQS[i]) - done[i])
+            if n == 0:
+                continue
+            end = done[i] + n
+            wants = end >= PROMPT_LEN[i]
+            batch.append(
+                ScheduledSeq(str(i), SEQS[i][done[i] : end], done[i], blocks.grow(tables[i], end), wants)
+            )
+            if wants:
+                expected.append(ref[i][end - 1])
+            done[i] = end
+        if not batch:
+            break
+        logits = runner.execute(batch)
+        assert logits.shape == (len(expected), 49152)
+        if expected:
+            torch.testing.assert_close(logits, torch.stack(expected), atol=1e-4, rtol=1e-4)
+        compared += len(expected)
+    assert done == [len(s) for s in SEQS] and compared == 20
+
+
+def test_shared_prefix_blocks_are_reused(tiny_models):
+    """A sequence whose first blocks are another's cached blocks (prefix caching) computes only its
+    remaining tokens and still gets transformers' logits; the owner's later decode is unaffected."""
+    folder, _ = tiny_models["llama"]
+    bs = 4
+    prefix = SEQS[3][:8]  # two full blocks
+    a, b = prefix + [1000, 1001, 1002], prefix + [2000, 2001]
+    runner = runner_for(folder, bs)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    with torch.inference_mode():
+        ref_a, ref_b = hf(torch.tensor([a])).logits[0], hf(torch.tensor([b])).logits[0]
+    table_a, table_b = [7, 3, 11], [7, 3, 5]
+    out = runner.execute([ScheduledSeq("a", a[:-1], 0, table_a, True)])
+    torch.testing.assert_close(out[0], ref_a[-2], atol=1e-4, rtol=1e-4)
+    out = runner.execute(
+        [ScheduledSeq("b", b[8:], 8, table_b, True), ScheduledSeq("a", a[-1:], 10, table_a, True)]
+    )
+    torch.testing.assert_close(out, torch.stack([ref_b[-1], ref_a[-1]]), atol=1e-4, rtol=1e-4)
+
+
+def test_empty_step_and_no_logits(tiny_models):
+    """An empty step returns (0, vocab); a step where nobody needs logits returns (0, vocab) too."""
+    folder, _ = tiny_models["llama"]
+    runner = runner_for(folder, 16)
+    assert runner.execute([]).shape == (0, 49152)
+    assert runner.execute([ScheduledSeq("a", [1, 2, 3], 0, [0], False)]).shape == (0, 49152)
+
+
+def test_kv_pool_sizing(tiny_models):
+    """num_kv_blocks wins, then kv_cache_memory_bytes; the default is max_num_seqs x 512 tokens capped at
+    1 GiB; max_model_len is the smaller of the option and the model's."""
+    folder, _ = tiny_models["llama"]
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, float32
+    r = ModelRunner(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=7, max_model_len=100))
+    assert (r.num_blocks, r.block_size, r.max_model_len, r.vocab_size) == (7, 16, 100, 49152)
+    assert r.kv_caches[0][0].shape == (7, 16, 2, 16) and len(r.kv_caches) == 2
+    r = ModelRunner(
+        EngineConfig(model=str(folder), dtype="float32", kv_cache_memory_bytes=per_token * 16 * 10)
+    )
+    assert r.num_blocks == 10 and r.max_model_len == 2048
+    r = ModelRunner(EngineConfig(model=str(folder), dtype="float32", max_num_seqs=3, block_size=8))
+    assert r.num_blocks == 3 * 512 // 8
+    assert r.kv_bytes_per_token == per_token and DEFAULT_KV_CAP_BYTES == 1 << 30
+
+
+def test_null_model_picks_a_fixed_text_token():
+    """null_model loads no weights and allocates no real pool, but reports the default model's info and
+    a plausible pool size; its logits always pick one non-EOS text token."""
+    r = ModelRunner(EngineConfig(null_model=True, dtype="float32"))
+    assert r.model is None and r.kv_caches == []
+    assert r.model_path == resolve_model_path(None) and r.vocab_size == 49152
+    assert r.num_blocks == min(64 * 512, (1 << 30) // (2 * 30 * 3 * 64 * 4)) // 16
+    logits = r.execute(
+        [
+            ScheduledSeq("a", [1, 2, 3], 0, [0], True),
+            ScheduledSeq("b", [4], 3, [0], False),
+            ScheduledSeq("c", [5], 9, [1], True),
+        ]
+    )
+    assert logits.shape == (2, 49152) and logits.dtype == torch.float32
+    assert logits.argmax(-1).tolist() == [NULL_TOKEN_ID, NULL_TOKEN_ID]
+    assert NULL_TOKEN_ID not in r.info.eos_token_ids

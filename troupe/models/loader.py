@@ -1,0 +1,211 @@
+"""Loading an HF-style model folder: `resolve_model_path`, `read_model_info`, `load_model`, `load_tokenizer`.
+
+A folder holds `config.json`, one or several `*.safetensors` (with or without
+`model.safetensors.index.json`), tokenizer files and optionally `generation_config.json`. Every problem
+is a `ModelLoadError` that names the file and what is wrong with it. Loading the weights never imports
+transformers (slow to import); only `load_tokenizer` does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from troupe.errors import ModelLoadError
+from troupe.models.arch import ModelArch
+from troupe.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from troupe.models.llama import LlamaModel
+
+# dtype="auto" (measured on SmolLM2-135M, torch 2.13, 1 thread, median of 3-5 steps):
+# - on an AVX2-only CPU (this project's dev/CI box: no avx512_bf16), bf16 matmuls fall back to a slow
+#   path: 256-token prefill 6.9 s bf16 vs 1.39 s fp32; decode of 16 seqs at ctx 300: 1076 vs 461 ms;
+#   decode of 1 seq: 113 vs 136 ms (memory-bound, the only case where bf16 wins) -> float32;
+# - with native bf16 (avx512_bf16 / amx_bf16), cpu-feasibility.md §2 measured bf16 ahead at batch 16
+#   (68 vs 110-117 ms) and level at batch 64 -> bfloat16.
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    path: Path
+    architecture: str
+    hf_config: dict[str, Any]  # config.json as read
+    arch: ModelArch
+    dtype: torch.dtype
+    vocab_size: int
+    max_model_len: int  # max_position_embeddings (capped by a sliding window)
+    eos_token_ids: list[int]  # generation_config.json, then the tokenizer's eos, deduplicated
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """`None` or "smollm2-135m-instruct" -> the converted default folder; else an existing local folder."""
+    if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"{path}: model path does not exist (give a local HF-style folder or {DEFAULT_MODEL_NAME!r})"
+        )
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: model path is not a folder")
+    return path.resolve()
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto_dtype()
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (auto, bfloat16, float32)")
+    return _DTYPES[dtype]
+
+
+def auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes it natively, else float32 (see the figures above)."""
+    return torch.bfloat16 if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
+    """Parse the folder's config files (no weights read)."""
+    cfg = _read_json(path / "config.json", required=True)
+    arch = ModelArch.from_hf_config(cfg, where=str(path / "config.json"))
+    return ModelInfo(
+        path=path,
+        architecture=arch.architecture,
+        hf_config=cfg,
+        arch=arch,
+        dtype=resolve_dtype(dtype),
+        vocab_size=arch.vocab_size,
+        max_model_len=arch.max_position_embeddings,
+        eos_token_ids=_eos_token_ids(path, cfg),
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+    )
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "auto", max_len: int | None = None
+) -> tuple[LlamaModel, ModelInfo]:
+    """Build the model for the folder and load its weights; `max_len` bounds the rotary table."""
+    info = read_model_info(Path(path), dtype)
+    model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
+    with _WeightFiles(Path(path)) as weights:
+        model.load_weights(weights.get)
+    return model.eval(), info
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The folder's tokenizer (`AutoTokenizer`, local files only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {e}") from e
+
+
+class _WeightFiles:
+    """Name -> file over the folder's safetensors files; `get` returns one shape-checked tensor."""
+
+    def __init__(self, path: Path) -> None:
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = _read_json(index, required=True).get("weight_map", {})
+            files = sorted({path / f for f in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise ModelLoadError(f"{index}: names weights file {f.name}, which does not exist")
+        else:
+            files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors weights file found")
+        self._handles: list[Any] = []
+        self._where: dict[str, tuple[Any, Path]] = {}
+        self._files = files
+
+    def __enter__(self) -> _WeightFiles:
+        from safetensors import safe_open
+
+        for f in self._files:
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError and OSErrors
+                raise ModelLoadError(f"{f}: not a valid safetensors file ({e})") from e
+            self._handles.append(handle)
+            for name in handle.keys():
+                self._where[name] = (handle, f)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handles.clear()
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._where:
+            names = ", ".join(f.name for f in self._files)
+            raise ModelLoadError(f"weight {name!r} is missing (looked in {names})")
+        handle, f = self._where[name]
+        got = tuple(handle.get_slice(name).get_shape())
+        if got != tuple(shape):
+            raise ModelLoadError(
+                f"{f}: weight {name!r} has shape {list(got)}, config.json implies {list(shape)}"
+            )
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{f}: cannot read weight {name!r} ({e})") from e
+
+
+def _read_json(path: Path, required: bool = False) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path}: file not found")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> list[int]:
+    """generation_config.json's eos ids (else config.json's), then the tokenizer's eos token."""
+    ids: list[int] = []
+    gen = _read_json(path / "generation_config.json")
+    source = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    ids += [source] if isinstance(source, int) else list(source or [])
+    eos = _read_json(path / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str):
+        tok = _read_json(path / "tokenizer.json")
+        vocab = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+        tid = vocab.get(eos, (tok.get("model") or {}).get("vocab", {}).get(eos))
+        if isinstance(tid, int):
+            ids.append(tid)
+    return list(dict.fromkeys(ids))
