@@ -1,4 +1,5 @@
-"""The blocking `LLM` facade: order, parity with AsyncLLM, threads, Ctrl-C."""
+"""The blocking `LLM` facade: order, parity with AsyncLLM, threads, Ctrl-C; in both engine modes
+(`engine_mode`), with one engine per mode for the module."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ ENGINE: dict[str, Any] = dict(dtype="float32", max_num_seqs=32, max_num_batched_
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama: Path) -> Any:
-    with LLM(str(tiny_llama), **ENGINE) as llm:
+def llm(tiny_llama: Path, engine_mode: dict[str, Any], check_leftovers: Any) -> Any:
+    with LLM(str(tiny_llama), **ENGINE, **engine_mode) as llm:
         yield llm
+    check_leftovers()
 
 
 def test_outputs_come_back_in_input_order(llm: LLM) -> None:
@@ -36,14 +38,14 @@ def test_outputs_come_back_in_input_order(llm: LLM) -> None:
     assert all(o.finished for o in outs)
 
 
-def test_greedy_results_equal_async_llm(llm: LLM, tiny_llama: Path) -> None:
+def test_greedy_results_equal_async_llm(llm: LLM, tiny_llama: Path, engine_mode: dict[str, Any]) -> None:
     """The same greedy requests give the same tokens through LLM and through AsyncLLM."""
     prompts = ["the cat sat on", "one two three", "a b c d e f g"]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     sync_ids = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
     async def run() -> list[list[int]]:
-        async with AsyncLLM(str(tiny_llama), **ENGINE) as allm:
+        async with AsyncLLM(str(tiny_llama), **ENGINE, **engine_mode) as allm:
             res = []
             for p in prompts:
                 final = [o async for o in allm.generate(p, SamplingParams(
@@ -85,13 +87,13 @@ def test_safe_from_several_threads(llm: LLM) -> None:
         assert [o.prompt for o in outs] == [f"thread {t} item {i}" for i in range(8)]
 
 
-def test_ctrl_c_returns_control_quickly(tiny_llama: Path, tmp_path: Path) -> None:
+def test_ctrl_c_returns_control_quickly(tiny_llama: Path, tmp_path: Path, engine_mode: dict[str, Any]) -> None:
     """SIGINT during a long generate: KeyboardInterrupt within 2 s, then a clean exit."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(f"""
         import sys, threading, time
         from troupe import LLM, SamplingParams
-        llm = LLM({str(tiny_llama)!r}, dtype="float32", num_kv_blocks=512)
+        llm = LLM({str(tiny_llama)!r}, dtype="float32", num_kv_blocks=512, multiprocess={engine_mode["multiprocess"]})
 
         def announce():  # tell the parent once requests are in the engine
             while llm._engine.num_unfinished_requests == 0:

@@ -10,7 +10,14 @@ import pytest
 
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
-from troupe.messages import AbortRequest, AddRequest, EngineCoreOutput, EngineCoreOutputs, EngineInput, EngineOutput
+from troupe.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineInput,
+    EngineOutput,
+)
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.anyio

@@ -1,14 +1,15 @@
 """troupe: a small, fast, honest LLM inference engine, built as an actor graph on anyio.
 
 Public names: `LLM` (offline, blocking) and `AsyncLLM` (streaming) over the same actor graph,
-`SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`, `EngineDeadError`.
+`SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`, `EngineDeadError`,
+`EngineStartupError`, `EngineHungError`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from troupe.errors import EngineDeadError, InvalidInputError
+from troupe.errors import EngineDeadError, EngineHungError, EngineStartupError, InvalidInputError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "EngineDeadError",
+    "EngineStartupError",
+    "EngineHungError",
     "InvalidInputError",
 ]
 

@@ -51,7 +51,7 @@ def bench_troupe(args: argparse.Namespace) -> dict[str, Any]:
 
     opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, multiprocess=args.multiprocess)
     t0 = time.perf_counter()
     llm = LLM(**opts)
     startup = time.perf_counter() - t0
@@ -130,9 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--hf-batch-sizes", default="16,64")
     p.add_argument("--skip-hf", action="store_true")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=True,
+                      help="the EngineCore in its own process (the default)")
+    mode.add_argument("--in-process", dest="multiprocess", action="store_false",
+                      help="the EngineCore in this process (see python -m troupe.bench_ipc for both)")
     args = p.parse_args(argv)
 
     res = bench_troupe(args)
+    print(f"engine: {'its own process' if args.multiprocess else 'in-process'}")
     print(f"troupe start-up (constructor to ready): {res['startup_s']:.2f} s")
     print(f"troupe peak memory (RSS):               {res['peak_rss_gib']:.2f} GiB")
     print(f"troupe LLM.generate (actor graph):      {res['graph_tok_s']:.1f} output tok/s")

@@ -1,8 +1,9 @@
-"""The `troupe` command line: `generate`, `chat` and `bench`.
+"""The `troupe` command line: `generate`, `chat`, `serve` and `bench`.
 
 `troupe generate "prompt"` streams one answer to the terminal; `troupe chat` is an interactive
-conversation through the model's chat template; `troupe bench` runs the offline benchmark. All
-use the default model (SmolLM2-135M-Instruct) unless `--model` names another.
+conversation through the model's chat template; `troupe serve` runs the OpenAI-compatible HTTP
+server (docs/server.md); `troupe bench` runs the offline benchmark. All use the default model
+(SmolLM2-135M-Instruct) unless `--model` names another.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import anyio
 
 from troupe.config import DEFAULT_MODEL
+from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -29,6 +31,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--in-process", action="store_true", help="run the EngineCore in this process (debugging)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +50,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads)
+                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+                multiprocess=not args.in_process)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -107,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     _engine_args(chat)
     _sampling_args(chat)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (docs/server.md)")
+    from troupe.server.launcher import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
+    _engine_args(serve)
     bench = sub.add_parser("bench", help="offline throughput benchmark (see docs/benchmarks.md)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
@@ -119,13 +128,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             anyio.run(_generate, args)
         elif args.command == "chat":
             anyio.run(_chat, args)
+        elif args.command == "serve":
+            from troupe.server.launcher import serve
+
+            return serve(args, engine_options(args))
         elif args.command == "bench":
             from troupe.bench import main as bench_main
 
             return bench_main(args.rest)
     except KeyboardInterrupt:
         return 130
-    except ValueError as exc:
+    except (ValueError, EngineStartupError) as exc:
         print(f"troupe: error: {exc}", file=sys.stderr)
         return 2
     return 0

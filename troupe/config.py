@@ -27,6 +27,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_threads: int | None = None  # torch threads in the engine; None: all cores / engines
     output_chunk_size: int = 128
     null_model: bool = False  # a model that returns a fixed token with no compute (tests, benchmarks)
+    # --- the engine process (docs/multiprocess.md)
+    multiprocess: bool = True  # the EngineCore runs in its own spawned process; False: in this one (debugging)
+    engine_address: str | None = None  # None: ipc:// in a private temp dir; or "tcp://HOST:PORT" (port "*": any)
+    ipc_dir: str | None = None  # where that private dir is made (None: the system temp dir)
+    engine_ready_timeout_s: float = 300.0  # start-up handshake deadline (first use may convert a model)
+    engine_hang_timeout_s: float | None = 120.0  # no step for this long while requests wait: "hung"
+    engine_shutdown_timeout_s: float = 5.0  # graceful stop before SIGTERM (then SIGKILL after 2 s more)
+    fault_injection: str | None = None  # TEST-ONLY, see troupe/faults.py; None in real use
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
@@ -45,3 +53,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidInputError("num_threads", f"must be >= 1, got {self.num_threads}")
+        for name in ("engine_ready_timeout_s", "engine_hang_timeout_s", "engine_shutdown_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or value <= 0):
+                raise InvalidInputError(name, f"must be a number of seconds > 0, got {value!r}")
+        if self.engine_address is not None and not self.engine_address.startswith(("ipc://", "tcp://")):
+            raise InvalidInputError("engine_address", f"must start with ipc:// or tcp://, got {self.engine_address!r}")

@@ -4,6 +4,10 @@
   what is allowed. The engine stays healthy.
 - `EngineDeadError`: fatal. Every in-flight request gets it and every new request raises it.
 - `ModelLoadError` (a `ValueError`): a model path, file or config that cannot be loaded.
+- `EngineStartupError`: the engine could not start (in its process or in this one); it carries the
+  root cause and its traceback text. Nothing is left running.
+- `EngineHungError`: raised by `check_health()` when the engine is alive but has finished no step
+  for `engine_hang_timeout_s` while requests wait. Nothing is killed.
 """
 
 from __future__ import annotations
@@ -30,3 +34,31 @@ class EngineDeadError(RuntimeError):
 
 class EngineGenerateError(RuntimeError):
     """An unexpected error inside one `generate()` call; the request was aborted."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine failed to start: `cause_type` and `cause_message` name the root cause, and
+    `engine_traceback` is its traceback text (from the engine process when it ran in one)."""
+
+    def __init__(self, message: str, *, cause_type: str = "", cause_message: str = "",
+                 engine_traceback: str = "") -> None:
+        text = f"{message}\n\nEngine traceback:\n{engine_traceback.rstrip()}" if engine_traceback else message
+        super().__init__(text)
+        self.cause_type = cause_type
+        self.cause_message = cause_message
+        self.engine_traceback = engine_traceback
+
+    @classmethod
+    def from_cause(cls, exc: BaseException, traceback_text: str) -> EngineStartupError:
+        return cls(f"EngineCore failed to start: {type(exc).__name__}: {exc}", cause_type=type(exc).__name__,
+                   cause_message=str(exc), engine_traceback=traceback_text)
+
+
+class EngineHungError(RuntimeError):
+    """The engine is alive but finished no step for `stalled_s` seconds while requests waited."""
+
+    def __init__(self, stalled_s: float, waiting: int, timeout_s: float) -> None:
+        super().__init__(f"EngineCore looks hung: no step finished for {stalled_s:.1f} s while {waiting} "
+                         f"request(s) wait (engine_hang_timeout_s={timeout_s:g}); it was not stopped")
+        self.stalled_s = stalled_s
+        self.waiting = waiting

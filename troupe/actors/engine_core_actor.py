@@ -5,8 +5,9 @@ Outbox:   `EngineOutput`: one `EngineCoreOutputs` per step, `UtilityResult`s, an
           if the engine fails (then the actor stops stepping).
 Owns:     the EngineCore (not thread-safe: it is only touched by one task at a time, either the
           step thread or, between steps, the event loop).
-Shutdown: the inbox closing (EndOfStream) ends the actor after the step in flight; cancelling
-          its task group waits for the step in flight (a thread cannot be interrupted).
+Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are done; cancelling
+          its task group waits for the step in flight (a thread cannot be interrupted). After
+          `EngineDead` the actor returns (its inbox closes).
 
 The inbox reader never waits for the model: messages are queued in `_pending` while a step runs
 and applied between steps, so adds and aborts keep flowing during a forward pass.
@@ -64,6 +65,7 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
         self._wakeup = anyio.Event()
         self._inbox_closed = False
         self._steps = 0
+        self.failed = False  # set once EngineDead was sent
 
     def statistics(self) -> EngineActorStats:
         unfinished = self.core.has_unfinished_requests() if self.core else False
@@ -72,11 +74,11 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[EngineCoreActor]:
         async with anyio.create_task_group() as tg:
-            await tg.start(self._run)
+            await tg.start(self.run)
             yield self
             tg.cancel_scope.cancel()
 
-    async def _run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)
         async with self._outbox:
             if self.core is None:
@@ -110,6 +112,7 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
             except Exception as exc:  # the engine is broken: say so, and stop
                 log.error("engine step failed", exc_info=exc)
                 reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                self.failed = True
                 await self._outbox.send(EngineDead(reason=reason, engine_index=self.engine_index))
                 return
             self._steps += 1

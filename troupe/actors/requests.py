@@ -2,7 +2,8 @@
 
 It holds the pure `OutputProcessor` (detokenization, stop strings, output kinds), one
 `RequestStream` per request for its consumer, the map from user ids to internal ids, pending
-utility calls and the latest engine stats. All of it is touched from the graph's event loop only,
+utility calls, the latest engine stats and the time of the engine's last sign of progress (for hang
+detection: `stalled_for`). All of it is touched from the graph's event loop only,
 so no locks: the input processor registers a request *before* sending it to the engine, which
 orders registration before any output for it.
 """
@@ -10,6 +11,7 @@ orders registration before any output for it.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -63,12 +65,15 @@ class RequestTable:
         self.engine_stats: dict[int, SchedulerStats] = {}
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
+        self.last_progress = time.monotonic()  # last step output or utility reply (or work after idleness)
 
     # ------------------------------------------------------------ request lifecycle
 
     def register(self, req: AddRequest, prompt_text: str | None) -> RequestStream:
         if self.dead_error is not None:
             raise self.dead_error
+        if not self.streams:  # work after idleness: the engine's clock starts now
+            self.last_progress = time.monotonic()
         self.processor.add_request(req.request_id, req.external_id, prompt_text, req.prompt_token_ids,
                                    req.params)
         stream = RequestStream(req.request_id, req.external_id, req.params.output_kind)
@@ -94,10 +99,10 @@ class RequestTable:
                 stream.put(out)
                 if out.finished:
                     self._drop(rid)
-        for out in outputs:  # engine-side errors for one request (e.g. rejected at add)
-            if out.error is not None and out.request_id in self.streams:
-                self.streams[out.request_id].put_error(ValueError(out.error))
-                self._drop(out.request_id)
+        for entry in outputs:  # engine-side errors for one request (e.g. rejected at add)
+            if entry.error is not None and entry.request_id in self.streams:
+                self.streams[entry.request_id].put_error(ValueError(entry.error))
+                self._drop(entry.request_id)
         return list(processed.reqs_to_abort)
 
     def internal_ids(self, request_ids: str | Iterable[str]) -> list[str]:
@@ -136,13 +141,20 @@ class RequestTable:
 
     # ------------------------------------------------------------ stats and utility calls
 
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds since the engine last showed progress while requests wait (0 when none wait)."""
+        if not self.streams:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self.last_progress
+
     def record_stats(self, msg: EngineCoreOutputs) -> None:
+        self.last_progress = time.monotonic()  # one message per step
         if msg.scheduler_stats is not None:
             self.engine_stats[msg.engine_index] = msg.scheduler_stats
 
     def new_call(self) -> tuple[int, anyio.Event, list[UtilityResult]]:
         call_id = next(self._call_ids)
-        event, box = anyio.Event(), []
+        event, box = anyio.Event(), list[UtilityResult]()
         self._calls[call_id] = (event, box)
         return call_id, event, box
 
@@ -150,6 +162,7 @@ class RequestTable:
         self._calls.pop(call_id, None)
 
     def resolve_utility(self, result: UtilityResult) -> None:
+        self.last_progress = time.monotonic()
         entry = self._calls.get(result.call_id)
         if entry is not None:
             event, box = entry

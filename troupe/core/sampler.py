@@ -60,8 +60,8 @@ class Sampler:
             cdf = probs.cumsum(dim=-1)  # (R, V)
             u = torch.cat([torch.rand(1, generator=rows[i].generator or self._generator) for i in rand])
             u = (u * cdf[:, -1]).unsqueeze(1)  # (R, 1)
-            picked = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[1] - 1)
-            for i, t in zip(rand, picked.squeeze(1).tolist(), strict=True):
+            drawn = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[1] - 1)  # (R, 1)
+            for i, t in zip(rand, drawn.squeeze(1).tolist(), strict=True):
                 out[i] = t
         return out
 

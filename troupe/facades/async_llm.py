@@ -1,28 +1,32 @@
 """`AsyncLLM`: the streaming engine, `async with AsyncLLM(model=...) as llm:`.
 
-1. Entering starts the actor graph (engine side first) and returns once it is ready.
+1. Entering starts the actor graph (engine side first: by default the EngineCore in its own process)
+   and returns once it is ready; a failed start raises `EngineStartupError` with the root cause.
 2. `generate()` submits the prompt to the input processor, gets the request's stream back (or the
    validation error) and yields `RequestOutput`s until one has `finished=True`.
 3. A consumer that stops early (break, cancellation, exception) aborts its request in the engine
    from a shielded `finally`.
 4. `abort(ids)` ends those streams with a final `finish_reason="abort"` output.
-5. Leaving the context aborts what is left and stops every actor.
+5. Leaving the context aborts what is left and stops every actor and the engine process. An
+   exception that leaves the context comes out as itself, not wrapped in an ExceptionGroup.
+6. `check_health()` raises `EngineDeadError` (dead) or `EngineHungError` (no step finished for
+   `engine_hang_timeout_s` while requests wait).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 
+from troupe.actors.engine_side import MakeCore
 from troupe.actors.graph import Graph
 from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
-from troupe.core.engine_core import EngineCore
-from troupe.errors import EngineDeadError
+from troupe.errors import EngineDeadError, EngineHungError
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
@@ -31,8 +35,10 @@ from troupe.sampling_params import SamplingParams
 
 
 class AsyncLLM(anyio.AsyncContextManagerMixin):
-    def __init__(self, model: str | None = None, *, make_core: Callable[[EngineConfig], EngineCore] | None = None,
+    def __init__(self, model: str | None = None, *, make_core: MakeCore | None = None,
                  **engine_options: Any) -> None:
+        """`engine_options` are `EngineConfig` fields. `make_core(config) -> EngineCore` replaces the
+        EngineCore factory (tests); with `multiprocess=True` it must be a module-level function."""
         if model is not None:
             engine_options["model"] = model
         self.config = EngineConfig(**engine_options)
@@ -43,12 +49,18 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[AsyncLLM]:
-        async with Graph(self.config, make_core=self._make_core) as graph:
-            self._graph = graph
-            try:
-                yield self
-            finally:
-                self._stopped = True
+        try:
+            async with Graph(self.config, make_core=self._make_core) as graph:
+                self._graph = graph
+                try:
+                    yield self
+                finally:
+                    self._stopped = True
+        except BaseExceptionGroup as group:
+            leaf = _single_leaf(group)
+            if leaf is None:
+                raise
+            raise leaf from leaf.__cause__
 
     # ------------------------------------------------------------------ state
 
@@ -74,9 +86,19 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         return self._graph is not None and not self._stopped and not self.errored
 
     async def check_health(self) -> None:
-        """Raises `EngineDeadError` if the engine is dead."""
+        """Raises `EngineDeadError` if the engine is dead, `EngineHungError` if it looks hung."""
         if self.errored:
             raise self.dead_error
+        timeout = self.config.engine_hang_timeout_s
+        if self._graph is not None and self._graph.table is not None and timeout is not None:
+            stalled = self._graph.table.stalled_for()
+            if stalled > timeout:
+                raise EngineHungError(stalled, self._graph.table.num_unfinished, timeout)
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engine processes (empty in-process)."""
+        return self._graph.engine.pids if self._graph is not None and self._graph.engine is not None else []
 
     def get_tokenizer(self) -> Any:
         return self._running_graph().tokenizer
@@ -179,3 +201,13 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     async def get_stats(self) -> dict[str, Any]:
         return dict(await self._utility("get_stats"))
+
+
+def _single_leaf(group: BaseExceptionGroup[Any]) -> BaseException | None:
+    """The one exception inside nested single-member groups, else None."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc

@@ -155,10 +155,10 @@ def _build_plan(meta: AttentionMetadata, block_size: int, G: int) -> _TorchPlan:
         n = starts[s + 1] - starts[s]
         if n <= 1:
             continue
-        blocks = meta.block_tables[s, : -(-ctx // block_size)] if ctx > n else None
+        ctx_blocks = meta.block_tables[s, : -(-ctx // block_size)] if ctx > n else None
         qpos = torch.arange(ctx - n, ctx)  # (n,) positions of the new tokens
         mask = torch.arange(ctx)[None, :] <= qpos[:, None]  # (n, ctx)
-        chunks.append(_Chunk(starts[s], starts[s + 1], blocks, ctx, mask.repeat(G, 1)))
+        chunks.append(_Chunk(starts[s], starts[s + 1], ctx_blocks, ctx, mask.repeat(G, 1)))
     return _TorchPlan(decodes, chunks)
 
 

@@ -73,7 +73,7 @@ class ModelArch:
         window = cfg.get("sliding_window")
         uses_window = window is not None and (arch != "Qwen2ForCausalLM" or cfg.get("use_sliding_window"))
         if uses_window:
-            max_pos = min(max_pos, int(window))
+            max_pos = min(max_pos, int(window))  # type: ignore[arg-type]  # not None here
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,

@@ -124,8 +124,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)  # (T, hidden)
-        cos = self.cos_table[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin_table[positions].unsqueeze(1)  # (T, 1, D/2)
+        cos_table: torch.Tensor = self.cos_table  # type: ignore[assignment]  # a registered buffer
+        sin_table: torch.Tensor = self.sin_table  # type: ignore[assignment]
+        cos = cos_table[positions].unsqueeze(1)  # (T, 1, D/2)
+        sin = sin_table[positions].unsqueeze(1)  # (T, 1, D/2)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv, meta)
         return F.rms_norm(x, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)  # (T, hidden)
@@ -143,7 +145,7 @@ class LlamaModel(nn.Module):
             if not a.tie_word_embeddings:
                 self.lm_head.copy_(get("lm_head.weight", (a.vocab_size, a.hidden_size)))
             for i, layer in enumerate(self.layers):
-                _load_layer(layer, f"{p}layers.{i}.", a, get)
+                _load_layer(layer, f"{p}layers.{i}.", a, get)  # type: ignore[arg-type]
 
 
 def _load_layer(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) -> None:

@@ -1,0 +1,112 @@
+"""The graph's engine side: the EngineCore in this process, or a client of an engine process.
+
+Both take the same pair of stream ends from the graph (`EngineInput` in, `EngineOutput` out),
+start with `await tg.start(side.run)` (returning once the engine is ready, or raising
+`EngineStartupError`), then expose `ready` (an `EngineReady`: limits, model path, KV blocks) and
+`pids`. Nothing else in the graph or the facades knows which one runs.
+
+- `InProcessEngine` (`multiprocess=False`, for debugging): builds the EngineCore in a worker thread
+  and runs the `EngineCoreActor` in the graph's task group.
+- `EngineProcess` (troupe.process.client, the default): the same actor in a spawned process,
+  behind a ZMQ bridge.
+
+`build_core` is shared by both: it applies the test-only fault hooks and turns any failure into
+`EngineStartupError` with the traceback text.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe import faults
+from troupe.config import EngineConfig
+from troupe.errors import EngineStartupError
+from troupe.messages import EngineInput, EngineOutput
+from troupe.process.protocol import EngineReady
+
+if TYPE_CHECKING:
+    from troupe.actors.engine_core_actor import EngineCoreActor
+    from troupe.core.engine_core import EngineCore
+
+MakeCore = Callable[[EngineConfig], "EngineCore"]
+
+
+class EngineSide(Protocol):
+    @property
+    def ready(self) -> EngineReady: ...
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    async def run(self, *, task_status: TaskStatus[None] = ...) -> None: ...
+
+    def statistics(self) -> Any: ...
+
+
+def build_core(config: EngineConfig, make_core: MakeCore | None = None) -> EngineCore:
+    """Build the EngineCore (blocking: a worker thread or the engine process), faults installed."""
+    try:
+        from troupe.core.engine_core import EngineCore  # torch: only where the engine runs
+
+        faults.before_build(config.fault_injection)
+        core = (make_core or EngineCore)(config)
+        faults.install(core, config.fault_injection)
+        return core
+    except Exception as exc:
+        raise EngineStartupError.from_cause(exc, traceback.format_exc()) from exc
+
+
+def ready_info(core: EngineCore, engine_index: int = 0) -> EngineReady:
+    return EngineReady(engine_index=engine_index, pid=os.getpid(), limits=core.limits,
+                       model_path=str(core.runner.model_path), num_blocks=core.runner.num_blocks,
+                       block_size=core.runner.block_size)
+
+
+class InProcessEngine:
+    """The engine side in this process: an `EngineCoreActor` whose core is built in a worker thread."""
+
+    def __init__(self, config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
+                 outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None) -> None:
+        self.config = config
+        self._inbox = inbox
+        self._outbox = outbox
+        self._make_core = make_core
+        self._ready: EngineReady | None = None
+        self.actor: EngineCoreActor | None = None
+
+    @property
+    def ready(self) -> EngineReady:
+        assert self._ready is not None, "the engine has not started"
+        return self._ready
+
+    @property
+    def pids(self) -> list[int]:
+        return []
+
+    def statistics(self) -> Any:
+        return self.actor.statistics() if self.actor is not None else None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        from troupe.actors.engine_core_actor import EngineCoreActor
+
+        core = await anyio.to_thread.run_sync(build_core, self.config, self._make_core)
+        self._ready = ready_info(core)
+        self.actor = EngineCoreActor(core, self._inbox, self._outbox)
+        await self.actor.run(task_status=task_status)
+
+
+def make_engine_side(config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
+                     outbox: MemoryObjectSendStream[EngineOutput], *,
+                     make_core: MakeCore | None = None) -> EngineSide:
+    if not config.multiprocess:
+        return InProcessEngine(config, inbox, outbox, make_core=make_core)
+    from troupe.process.client import EngineProcess
+
+    return EngineProcess(config, inbox, outbox, make_core=make_core)

@@ -1,0 +1,142 @@
+"""`python -m troupe.bench_ipc`: what the engine process boundary costs, and the frontend's ceiling.
+
+- `offline`: the offline workload of `troupe.bench` (64 prompts of 20..400 tokens, 128 new tokens,
+  greedy, default model, bf16) through `LLM.generate`, with the EngineCore in its own process and
+  in this one; both engines stay up and the two modes alternate run by run (fairer on a noisy
+  machine). Prints the median output tokens/s of each and their ratio.
+- `null`: `--streams` concurrent streaming `AsyncLLM` requests (DELTA) of `--null-tokens` tokens
+  each, on two engines that skip the model: the null model (`null_model=True`: no weights, but it
+  still builds (S, vocab) logits that the sampler reads), and `scheduler_only_core`, the null model
+  with the logits and the sampler bypassed too, so that the engine is only the scheduler and what is
+  measured is the frontend + IPC + detokenization ceiling. Median output tokens/s per mode.
+
+Each figure is the median of `--repeats` runs, after a warm-up (a short generate for `offline`, one
+full run for `null`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+
+def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
+    from troupe import LLM, SamplingParams
+    from troupe.bench import make_prompts
+
+    opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
+                num_threads=args.threads, enable_prefix_caching=False)
+    llms = {"multiprocess": LLM(**opts, multiprocess=True), "in-process": LLM(**opts, multiprocess=False)}
+    try:
+        prompts = make_prompts(llms["in-process"].get_tokenizer(), 64, 20, 400)
+        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        jobs = [{"prompt_token_ids": p} for p in prompts]
+        warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for llm in llms.values():  # first calls (allocations, lazy inits) out of the measured runs
+            llm.generate(jobs[:8], warm_up, use_tqdm=False)
+        runs: dict[str, list[float]] = {mode: [] for mode in llms}
+        for r in range(args.repeats):
+            for mode, llm in llms.items():
+                t = time.perf_counter()
+                outs = llm.generate(jobs, params, use_tqdm=False)
+                rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+                runs[mode].append(rate)
+                print(f"  offline {mode:<12} run {r}: {rate:8.1f} output tok/s", file=sys.stderr)
+        return runs
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+
+async def _null_run(llm: Any, streams: int, tokens: int) -> float:
+    from troupe import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    produced = 0
+
+    async def one(i: int) -> None:
+        nonlocal produced
+        async for out in llm.generate(f"Stream number {i}: tell me everything.", params):
+            produced += len(out.outputs[0].token_ids)
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(streams):
+            tg.start_soon(one, i)
+    assert produced == streams * tokens
+    return produced / (time.perf_counter() - t)
+
+
+def scheduler_only_core(config: Any) -> Any:
+    """A null-model EngineCore whose step is scheduling only: no logits, no sampler (module-level, so
+    that an engine process can import it)."""
+    import torch
+
+    from troupe.core.engine_core import EngineCore
+
+    core = EngineCore(config)
+    token = core.runner.null_token_id
+    core.runner.execute = lambda seqs: torch.empty(sum(s.needs_logits for s in seqs), 0)  # type: ignore[method-assign]
+    core.sampler.sample = lambda logits, rows: [token] * len(rows)  # type: ignore[method-assign]
+    return core
+
+
+async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list[float]]:
+    from troupe import AsyncLLM
+
+    runs: dict[str, list[float]] = {}
+    for mode, multiprocess in (("multiprocess", True), ("in-process", False)):
+        async with AsyncLLM(args.model, null_model=True, multiprocess=multiprocess, make_core=make_core,
+                            max_num_seqs=args.streams, max_num_batched_tokens=max(1024, 16 * args.streams),
+                            num_threads=args.threads) as llm:
+            runs[mode] = []
+            for r in range(args.repeats + 1):
+                rate = await _null_run(llm, args.streams, args.null_tokens)
+                if r:
+                    runs[mode].append(rate)
+                name = "null" if make_core is None else "scheduler-only"
+                print(f"  {name} {mode:<12} run {r}: {rate:9.1f} output tok/s{'' if r else ' (warm-up)'}",
+                      file=sys.stderr)
+    return runs
+
+
+def _report(title: str, runs: dict[str, list[float]]) -> None:
+    med = {mode: statistics.median(v) for mode, v in runs.items()}
+    print(title)
+    for mode, value in med.items():
+        spread = f"{min(runs[mode]):.1f}..{max(runs[mode]):.1f}"
+        print(f"  {mode:<12} {value:10.1f} output tok/s  (median of {len(runs[mode])}: {spread})")
+    print(f"  multiprocess / in-process: {med['multiprocess'] / med['in-process']:.3f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m troupe.bench_ipc", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", nargs="?", default="all", choices=["all", "offline", "null", "scheduler-only"])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--null-tokens", type=int, default=128)
+    args = p.parse_args(argv)
+    shape = f"{args.streams} streaming AsyncLLM requests x {args.null_tokens} tokens"
+    if args.which in ("all", "null"):
+        _report(f"null model, {shape}:", anyio.run(bench_null, args, None))
+    if args.which in ("all", "scheduler-only"):
+        from troupe.bench_ipc import scheduler_only_core  # by its module name: the engine process imports it
+        _report(f"scheduler-only engine (null model, no logits, no sampler), {shape}: "
+                "the frontend + IPC + detokenization ceiling", anyio.run(bench_null, args, scheduler_only_core))
+    if args.which in ("all", "offline"):
+        _report("offline workload (troupe.bench: 64 prompts, 128 new tokens), LLM.generate:", bench_offline(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

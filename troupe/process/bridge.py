@@ -1,0 +1,150 @@
+"""The ZMQ bridge actor: one socket <-> a pair of memory streams, on either side of a process boundary.
+
+Inbox:    messages to send (`S`) from a memory stream; each is encoded (troupe.process.codec) and
+          sent as one multipart message. `send()` sends one message outside the pump (a goodbye).
+Outbox:   messages received (`R`), decoded and validated, to a memory stream. A frame that does
+          not decode is logged and given to `on_bad_frame`, whose answers go back to the peer
+          and/or to the outbox (per-request errors); it never stops the bridge.
+Owns:     a zmq.asyncio context and one socket. Frontend: a ROUTER bound at the address, talking
+          to one engine identity (SNDHWM=0, so a message to a live engine is never dropped; one to
+          an engine that is gone is dropped silently, and the process monitor reports the death).
+          Engine: a DEALER connected to that address under its identity.
+Shutdown: leaving the context cancels both pumps, then closes the socket (linger=0), destroys the
+          context (`destroy`, never `term`, which can block) and removes a bound ipc:// socket
+          file. The end of the inbox ends the send pump only.
+
+This is the only module that imports zmq (STYLE §8). No RCVTIMEO: time limits are cancel scopes.
+Cancelling a pump is safe (the socket stays usable); closing a socket under a waiting pump is not
+(the waiter gets a bare CancelledError), hence the order above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncGenerator, Callable
+from contextlib import asynccontextmanager
+from typing import Generic, NamedTuple, TypeVar
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.process.codec import Buffer, FrameDecoder, FrameEncoder
+
+log = structlog.get_logger("troupe.bridge")
+
+S = TypeVar("S")
+R = TypeVar("R")
+OnBadFrame = Callable[[Buffer, Exception], tuple[list[S], list[R]]]
+HWM = 64  # messages queued per direction before the sender waits (outputs are one per step)
+
+
+class BridgeStats(NamedTuple):
+    sent: int
+    received: int
+    bad_frames: int
+
+
+def engine_identity(engine_index: int) -> bytes:
+    return engine_index.to_bytes(2, "little")
+
+
+class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
+    def __init__(self, address: str, *, bind: bool, identity: bytes,
+                 inbox: MemoryObjectReceiveStream[S], outbox: MemoryObjectSendStream[R],
+                 decoder: FrameDecoder[R], on_bad_frame: OnBadFrame[S, R]) -> None:
+        """`bind=True`: a ROUTER bound at `address` whose peer is `identity`; else a DEALER that
+        connects to `address` as `identity`."""
+        self._address = address
+        self._bind = bind
+        self._identity = identity
+        self._inbox = inbox
+        self._outbox = outbox
+        self._decoder = decoder
+        self._encoder = FrameEncoder()
+        self._on_bad_frame = on_bad_frame
+        self._prefix = [identity] if bind else []
+        self._socket: zmq.asyncio.Socket | None = None
+        self.endpoint = address  # the bound endpoint, with a "*" port resolved
+        self._sent = self._received = self._bad = 0
+
+    def statistics(self) -> BridgeStats:
+        return BridgeStats(self._sent, self._received, self._bad)
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[Bridge[S, R]]:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER if self._bind else zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, HWM)
+            if self._bind:
+                sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops at its HWM: never for a live peer
+                sock.bind(self._address)
+                self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sock.setsockopt(zmq.SNDHWM, HWM)  # a DEALER waits at its HWM: back-pressure
+                sock.setsockopt(zmq.IDENTITY, self._identity)
+                sock.connect(self._address)
+            self._socket = sock
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._send_pump)
+                tg.start_soon(self._recv_pump)
+                try:
+                    yield self
+                finally:
+                    tg.cancel_scope.cancel()  # pumps first, socket after
+        finally:
+            self._socket = None
+            sock.close(linger=0)
+            ctx.destroy(linger=0)
+            if self._bind and self.endpoint.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.endpoint.removeprefix("ipc://"))
+
+    async def send(self, msg: S) -> None:
+        """Send one message now (alongside the pump; ZMQ keeps each multipart message whole)."""
+        if self._socket is None:
+            raise anyio.ClosedResourceError
+        frames = self._encoder.encode(msg)
+        await self._socket.send_multipart([*self._prefix, *frames], copy=False)
+        self._sent += 1
+
+    async def _send_pump(self) -> None:
+        async with self._inbox:
+            async for msg in self._inbox:
+                await self.send(msg)
+
+    async def _recv_pump(self) -> None:
+        assert self._socket is not None
+        sock = self._socket
+        async with self._outbox:
+            while True:
+                parts = await sock.recv_multipart(copy=False)
+                if self._bind and parts[0].bytes != self._identity:  # not our engine: not ours to read
+                    self._bad += 1
+                    log.error("frame from an unknown peer dropped", peer=parts[0].bytes.hex())
+                    continue
+                frames = [p.buffer for p in parts[len(self._prefix):]]
+                try:
+                    msg = self._decoder.decode(frames)
+                except Exception as exc:  # DecodeError, ValidationError, a bad tensor reference: the edge
+                    await self._reject(frames[0] if frames else b"", exc)
+                    continue
+                self._received += 1
+                try:
+                    await self._outbox.send(msg)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return  # nobody listens any more: shutting down
+
+    async def _reject(self, header: Buffer, exc: Exception) -> None:
+        self._bad += 1
+        replies, local = self._on_bad_frame(header, exc)
+        log.error("bad frame", error=str(exc), size=len(header), answered=len(replies) + len(local))
+        for reply in replies:
+            await self.send(reply)
+        for msg in local:
+            await self._outbox.send(msg)

@@ -1,0 +1,255 @@
+"""`EngineProcess`: the frontend's side of an EngineCore that runs in a spawned child process.
+
+Inbox:    `EngineInput` from the graph (adds, aborts, utility calls), straight into the bridge.
+Outbox:   `EngineOutput` to the graph: what the engine sends, plus `EngineDead` when the process
+          exits without being asked to.
+Owns:     the child process, the frontend `Bridge` (a ROUTER) with the private ipc dir, and the
+          process monitor task.
+Shutdown: on cancellation (graph shutdown), shielded and bounded: `EngineShutdown` if the engine
+          listens, wait up to `engine_shutdown_timeout_s`; SIGTERM, wait 2 s; SIGKILL. Then the
+          bridge closes its socket and the ipc dir is removed. Idempotent by construction: it runs
+          once, in `run`'s `finally`.
+
+Start-up, `await tg.start(engine.run)`:
+1. make a private dir (mode 0700) for the ipc socket and bind the ROUTER there (or at `engine_address`);
+2. spawn the child from the event-loop thread (the child's PR_SET_PDEATHSIG follows the thread that
+   forked it, so never from a short-lived worker thread), with OMP_WAIT_POLICY=PASSIVE set and
+   without re-importing the program's `__main__` in it (`launch.bare_main`);
+3. on `EngineHello` the child is connected: remove the ipc dir at once (the connection does not
+   need the file, so even a parent SIGKILLed later leaves nothing behind);
+4. `EngineReady` -> `task_status.started()`; `EngineStartupFailed`, the child's exit or
+   `engine_ready_timeout_s` -> `EngineStartupError` (raised after the child was stopped).
+
+Death: the monitor waits on the process sentinel, an fd that becomes readable when the child exits
+(no thread, no polling: noticed at once); an exit nobody asked for becomes `EngineDead` in the outbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import traceback
+from multiprocessing.process import BaseProcess
+from typing import NamedTuple, assert_never
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.actors.engine_side import MakeCore
+from troupe.config import EngineConfig
+from troupe.errors import EngineStartupError
+from troupe.messages import EngineCoreOutputs, EngineDead, EngineInput, EngineOutput, UtilityResult
+from troupe.process.bridge import Bridge, engine_identity
+from troupe.process.codec import FrameDecoder, reject_output
+from troupe.process.engine_main import run_engine_process
+from troupe.process.launch import (
+    bare_main,
+    connect_address,
+    describe_exit,
+    engine_environment,
+    private_address,
+)
+from troupe.process.protocol import (
+    EngineHello,
+    EngineReady,
+    EngineShutdown,
+    EngineStartupFailed,
+    FromEngine,
+    ToEngine,
+)
+
+log = structlog.get_logger("troupe.engine_process")
+
+STREAM_BUFFER = 64
+TERM_WAIT_S = 2.0  # after SIGTERM, before SIGKILL
+KILL_WAIT_S = 5.0
+
+
+class EngineProcessStats(NamedTuple):
+    pid: int | None
+    exitcode: int | None
+    sent: int
+    received: int
+    bad_frames: int
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
+                 outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None,
+                 engine_index: int = 0) -> None:
+        if make_core is not None:
+            try:
+                if getattr(make_core, "__module__", None) == "__main__":
+                    raise TypeError("it is defined in __main__, which the engine process does not import")
+                pickle.dumps(make_core)
+            except Exception as exc:
+                raise ValueError(f"make_core: {make_core!r} cannot be sent to the engine process ({exc}); "
+                                 "pass a function defined at the top of an importable module, or "
+                                 "multiprocess=False") from exc
+        self.config = config
+        self.engine_index = engine_index
+        self._inbox = inbox
+        self._outbox = outbox
+        self._make_core = make_core
+        self._pid: int | None = None
+        self._exitcode: int | None = None
+        self._bridge: Bridge[ToEngine, FromEngine] | None = None
+        self._ready: EngineReady | None = None
+        self._listens = False  # the child waits for EngineShutdown (it sent Ready or StartupFailed)
+        self._stopping = False
+
+    @property
+    def ready(self) -> EngineReady:
+        assert self._ready is not None, "the engine has not started"
+        return self._ready
+
+    @property
+    def pids(self) -> list[int]:
+        """The engine process's id while it runs (and we are not stopping it)."""
+        running = self._pid is not None and self._exitcode is None and not self._stopping
+        return [self._pid] if running and self._pid is not None else []
+
+    def statistics(self) -> EngineProcessStats:
+        b = self._bridge.statistics() if self._bridge is not None else None
+        return EngineProcessStats(self._pid, self._exitcode, b.sent if b else 0, b.received if b else 0,
+                                  b.bad_frames if b else 0)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        structlog.contextvars.bind_contextvars(actor="engine_process", engine=self.engine_index)
+        try:
+            try:
+                await self._run(task_status)
+            except* EngineStartupError as group:  # it crossed task groups on its way out
+                raise _leaf(group) from None
+        except Exception as exc:  # before ready, whatever failed (a bind, a spawn) failed the start-up
+            if self._ready is not None or isinstance(exc, EngineStartupError):
+                raise
+            raise EngineStartupError.from_cause(exc, traceback.format_exc()) from exc
+
+    async def _run(self, task_status: TaskStatus[None]) -> None:
+        from_wire_send, from_wire_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
+        notify = from_wire_send.clone()  # the monitor's way in: after what the bridge delivered
+        async with self._outbox, from_wire_send, from_wire_recv, notify:
+            with private_address(self.config, self.engine_index) as (address, ipc_dir):
+                self._bridge = Bridge(address, bind=True, identity=engine_identity(self.engine_index),
+                                      inbox=self._inbox, outbox=from_wire_send,
+                                      decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output)
+                async with self._bridge as bridge:
+                    proc = self._spawn(connect_address(bridge.endpoint))
+                    self._pid = proc.pid
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._monitor, proc, notify)
+                            self._ready = await self._handshake(from_wire_recv, ipc_dir)
+                            task_status.started()
+                            await self._relay(from_wire_recv)
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await self._stop(proc, bridge)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _spawn(self, address: str) -> BaseProcess:
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, name=f"troupe-engine-{self.engine_index}", daemon=True,
+            kwargs=dict(config=self.config, address=address, engine_index=self.engine_index,
+                        parent_pid=os.getpid(), make_core=self._make_core))
+        with engine_environment(), bare_main():
+            proc.start()
+        log.info("engine process started", pid=proc.pid, address=address)
+        return proc
+
+    async def _handshake(self, messages: MemoryObjectReceiveStream[FromEngine], ipc_dir: str | None) -> EngineReady:
+        timeout = self.config.engine_ready_timeout_s
+        with anyio.move_on_after(timeout) as deadline:
+            async for msg in messages:
+                match msg:
+                    case EngineHello():
+                        if ipc_dir is not None:  # connected: the socket file has done its job
+                            shutil.rmtree(ipc_dir, ignore_errors=True)
+                    case EngineReady():
+                        self._listens = True
+                        log.info("engine ready", pid=msg.pid, kv_blocks=msg.num_blocks)
+                        return msg
+                    case EngineStartupFailed():
+                        self._listens = bool(msg.traceback)  # a synthetic one (process exit) has none
+                        raise EngineStartupError(f"EngineCore failed to start: {msg.error_type}: {msg.message}",
+                                                 cause_type=msg.error_type, cause_message=msg.message,
+                                                 engine_traceback=msg.traceback)
+                    case _:
+                        raise EngineStartupError(f"EngineCore sent {type(msg).__name__} before it was ready")
+        if deadline.cancelled_caught:
+            raise EngineStartupError(f"EngineCore was not ready after engine_ready_timeout_s={timeout:g} s; "
+                                     "its process was stopped")
+        raise EngineStartupError("the engine's channel closed before it was ready")
+
+    # ------------------------------------------------------------------ running
+
+    async def _relay(self, messages: MemoryObjectReceiveStream[FromEngine]) -> None:
+        async for msg in messages:
+            match msg:
+                case EngineCoreOutputs() | UtilityResult() | EngineDead():
+                    await self._outbox.send(msg)
+                case EngineStartupFailed():  # the monitor's word for an exit it saw before ready was read
+                    await self._outbox.send(EngineDead(reason=msg.message, engine_index=self.engine_index))
+                case EngineHello() | EngineReady():
+                    raise RuntimeError(f"EngineCore sent {type(msg).__name__} after it was ready")
+                case _:
+                    assert_never(msg)
+
+    async def _monitor(self, proc: BaseProcess, notify: MemoryObjectSendStream[FromEngine]) -> None:
+        await anyio.wait_readable(proc.sentinel)
+        await anyio.to_thread.run_sync(proc.join, KILL_WAIT_S)  # reaps it: microseconds after EOF
+        self._exitcode = proc.exitcode
+        if self._stopping:
+            return
+        what = f"engine process {proc.pid} {describe_exit(proc.exitcode)}"
+        if self._ready is None:
+            await notify.send(EngineStartupFailed(self.engine_index, "EngineProcessExited", what, ""))
+        else:
+            log.error("engine process died", pid=proc.pid, exitcode=proc.exitcode)
+            await notify.send(EngineDead(reason=what, engine_index=self.engine_index))
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def _stop(self, proc: BaseProcess, bridge: Bridge[ToEngine, FromEngine]) -> None:
+        self._stopping = True
+        try:
+            if proc.is_alive() and self._listens:
+                with anyio.move_on_after(1.0), contextlib.suppress(anyio.ClosedResourceError):
+                    await bridge.send(EngineShutdown())
+                if await _wait_exit(proc, self.config.engine_shutdown_timeout_s):
+                    return
+                log.warning("engine process did not stop in time: SIGTERM", pid=proc.pid)
+            if proc.is_alive():
+                proc.terminate()
+                if await _wait_exit(proc, TERM_WAIT_S):
+                    return
+                log.warning("engine process ignored SIGTERM: SIGKILL", pid=proc.pid)
+                proc.kill()
+                await _wait_exit(proc, KILL_WAIT_S)
+        finally:
+            self._exitcode = proc.exitcode
+            if proc.exitcode is not None:
+                log.info("engine process stopped", pid=proc.pid, exitcode=proc.exitcode)
+                proc.close()
+
+
+async def _wait_exit(proc: BaseProcess, within_s: float) -> bool:
+    with anyio.move_on_after(within_s):
+        await anyio.wait_readable(proc.sentinel)
+        await anyio.to_thread.run_sync(proc.join, KILL_WAIT_S)
+    return proc.exitcode is not None
+
+
+def _leaf(group: BaseExceptionGroup[EngineStartupError]) -> EngineStartupError:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, EngineStartupError)
+    return exc

@@ -1,0 +1,84 @@
+"""How an engine process is launched: its address, its environment, and how its exit reads.
+
+- `private_address`: ipc:// in a fresh private dir (mode 0700, `tempfile.mkdtemp`), removed on the
+  way out; or `engine_address` as configured (tcp:// for engines on other hosts later).
+- `connect_address`: where a local child connects to the bound endpoint (a wildcard host is this one).
+- `bare_main` and `engine_environment`: the few milliseconds around `Process.start()`.
+- `describe_exit`: an exit code in words ("was killed by SIGKILL").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+
+from troupe.config import EngineConfig
+
+MAX_IPC_PATH = 100  # sockaddr_un.sun_path is 108 bytes on Linux
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@contextlib.contextmanager
+def private_address(config: EngineConfig, engine_index: int) -> Iterator[tuple[str, str | None]]:
+    """`engine_address` as given, or ipc:// in a fresh private dir that is removed on the way out."""
+    if config.engine_address is not None:
+        yield config.engine_address, None
+        return
+    ipc_dir = tempfile.mkdtemp(prefix="troupe-", dir=config.ipc_dir)
+    try:
+        path = os.path.join(ipc_dir, f"engine{engine_index}")
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"ipc_dir: the socket path {path!r} is longer than {MAX_IPC_PATH} bytes; "
+                             "choose a shorter ipc_dir")
+        yield f"ipc://{path}", ipc_dir
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def connect_address(endpoint: str) -> str:
+    """Where a local child connects to a bound endpoint (a wildcard host means this machine)."""
+    for wildcard, local in (("//0.0.0.0:", "//127.0.0.1:"), ("//[::]:", "//[::1]:"), ("//*:", "//127.0.0.1:")):
+        endpoint = endpoint.replace(wildcard, local)
+    return endpoint
+
+
+@contextlib.contextmanager
+def bare_main() -> Iterator[None]:
+    """Start the child without re-running the program's `__main__`: spawn would import it again in
+    the child (it needs nothing from it), so a script without an `if __name__ == "__main__":` guard
+    would start an engine inside the engine. The swap lasts the few ms of `start()`."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+@contextlib.contextmanager
+def engine_environment() -> Iterator[None]:
+    """OMP_WAIT_POLICY=PASSIVE for the child, set before it imports torch (its OpenMP threads
+    would otherwise spin and starve the frontend on a small machine); the user's value wins."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)

@@ -1,0 +1,231 @@
+"""`build_app`: the OpenAI-compatible Starlette app over an engine it is given.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`), `GET /v1/models`,
+`GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`.
+
+1. The lifespan enters `open_engine()` (normally `AsyncLLM(...)`) and holds it while the server runs;
+   leaving it is the engine's usual shutdown cascade.
+2. Pure ASGI middleware, outermost first: `X-Request-Id` (validated, or a fresh id; echoed on
+   every response) and, with an API key, Bearer authentication on every path but `/health`.
+3. Every error becomes an OpenAI error body through `errors.to_api_error`; unexpected ones are
+   also re-raised to the server, which logs them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from troupe.errors import EngineDeadError
+from troupe.inputs import render_chat, tokenize
+from troupe.server import metrics as metrics_mod
+from troupe.server.errors import APIError, bad_request, to_api_error
+from troupe.server.protocol import DetokenizeRequest, TokenizeRequest
+from troupe.server.serving import (
+    create_chat_completion,
+    create_completion,
+    json_response,
+    read_body,
+    server_state,
+)
+from troupe.server.state import EngineClient, ServerSettings, ServerState
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
+_OFFLOAD_CHARS = 4096  # tokenize longer texts in a worker thread
+
+
+def _error_response(err: APIError) -> Response:
+    return json_response(err.body(), err.status)
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    await _error_response(err)({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class RequestIdMiddleware:
+    """Use the client's `X-Request-Id` (or a fresh id) as the request id, and echo it back."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        raw = dict(scope["headers"]).get(b"x-request-id")
+        rid = raw.decode("latin-1") if raw is not None else uuid.uuid4().hex
+        if not _REQUEST_ID.fullmatch(rid):
+            return await _send_error(send, bad_request("X-Request-Id", "must be 1 to 128 visible ASCII characters"))
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode("latin-1"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BearerAuthMiddleware:
+    """`Authorization: Bearer <api key>` on every path but `/health`; 401 otherwise."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                               code="invalid_api_key")
+                return await _send_error(send, err)
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------- small endpoints
+
+
+async def health(request: Request) -> Response:
+    llm = server_state(request).engine()  # 503 while dead, not started or shutting down
+    try:
+        await llm.check_health()
+    except EngineDeadError:
+        raise
+    except Exception as exc:  # e.g. EngineHungError: alive, but no progress
+        raise APIError(503, f"the engine is unhealthy: {exc}", type="service_unavailable",
+                       code="unhealthy") from exc
+    return Response(status_code=200)
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": importlib.metadata.version("troupe")})
+
+
+def _max_model_len(llm: EngineClient) -> int | None:
+    return llm.config.max_model_len
+
+
+async def models(request: Request) -> Response:
+    state = server_state(request)
+    llm = state.engine()
+    data = [{"id": name, "object": "model", "created": state.created, "owned_by": "troupe",
+             "root": llm.config.model, "parent": None, "max_model_len": _max_model_len(llm)}
+            for name in state.settings.served_model_names]
+    return json_response({"object": "list", "data": data})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+
+
+async def tokenize_endpoint(request: Request) -> Response:
+    state = server_state(request)
+    req = await read_body(request, TokenizeRequest, state.settings.max_body_bytes)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("prompt", "give exactly one of `prompt` and `messages`")
+    llm = state.engine()
+    tok = llm.get_tokenizer()
+    if req.messages is not None:
+        text, special = render_chat(tok, req.conversation(), req.add_generation_prompt), True
+    else:
+        assert req.prompt is not None
+        text, special = req.prompt, req.add_special_tokens
+
+    def encode() -> list[int]:
+        return tokenize(tok, text) if special else list(tok(text, add_special_tokens=False)["input_ids"])
+
+    ids = await anyio.to_thread.run_sync(encode) if len(text) > _OFFLOAD_CHARS else encode()
+    return json_response({"count": len(ids), "max_model_len": _max_model_len(llm), "tokens": ids})
+
+
+async def detokenize_endpoint(request: Request) -> Response:
+    state = server_state(request)
+    req = await read_body(request, DetokenizeRequest, state.settings.max_body_bytes)
+    state.check_model(req.model)
+    tok = state.engine().get_tokenizer()
+    vocab = len(tok)
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab:
+            raise bad_request(f"tokens[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+    return json_response({"prompt": tok.decode(req.tokens)})
+
+
+# ---------------------------------------------------------------------- errors
+
+
+async def _handle_error(request: Request, exc: Exception) -> Response:
+    return _error_response(to_api_error(exc))
+
+
+async def _handle_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _error_response(APIError(exc.status_code, str(exc.detail), code=None))
+
+
+async def _handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # the client left while sending its body; nobody reads this
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def build_app(settings: ServerSettings,
+              open_engine: Callable[[], AbstractAsyncContextManager[EngineClient]]) -> Starlette:
+    """The app; its lifespan runs `open_engine()` (see the module docstring)."""
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with open_engine() as llm:
+            state.llm = llm
+            try:
+                yield
+            finally:
+                state.llm = None
+
+    routes = [
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/tokenize", tokenize_endpoint, methods=["POST"]),
+        Route("/detokenize", detokenize_endpoint, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(RequestIdMiddleware)]
+    if settings.api_key:
+        middleware.append(Middleware(BearerAuthMiddleware, api_key=settings.api_key))
+    handlers: dict[Any, Callable[[Request, Exception], Any]] = {
+        APIError: _handle_error,
+        ValueError: _handle_error,  # InvalidInputError, msgspec errors
+        msgspec.DecodeError: _handle_error,
+        EngineDeadError: _handle_error,
+        HTTPException: _handle_http_exception,
+        ClientDisconnect: _handle_client_disconnect,
+        Exception: _handle_error,  # 500; the server also logs the traceback
+    }
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+    app.state.troupe = state
+    return app

@@ -1,0 +1,79 @@
+"""HTTP errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+`to_api_error` is the one place that maps an exception to a status:
+
+| exception                                     | status | type                    |
+|-----------------------------------------------|--------|-------------------------|
+| `APIError` (raised by the server itself)      | its own| its own                 |
+| malformed JSON (`msgspec.DecodeError`)        | 400    | invalid_request_error   |
+| wrong type / unknown field (`ValidationError`)| 400    | invalid_request_error   |
+| `InvalidInputError` / other `ValueError`      | 400    | invalid_request_error   |
+| `EngineDeadError`                             | 503    | service_unavailable     |
+| anything else                                 | 500    | internal_server_error   |
+
+`param` names the offending field when one is known (`InvalidInputError.field`, the JSON path of
+a msgspec error).
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from troupe.errors import EngineDeadError, InvalidInputError
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]+)`")
+
+
+class APIError(Exception):
+    """An error the server answers with `status` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, dict[str, str | int | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad_request(param: str | None, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _msgspec_param(message: str) -> str | None:
+    """The JSON path a msgspec error points at, as `a.b[0]` (None for the whole body)."""
+    m = _AT.search(message)
+    path = m.group("path") if m else ""
+    field = _FIELD.search(message)
+    if field:
+        path = f"{path}.{field.group('name')}" if path else field.group("name")
+    return path or None
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The `APIError` an exception is answered with (see the module table)."""
+    match exc:
+        case APIError():
+            return exc
+        case msgspec.ValidationError():
+            return bad_request(_msgspec_param(str(exc)), f"invalid request: {exc}")
+        case msgspec.DecodeError():
+            return bad_request(None, f"the request body is not valid JSON: {exc}")
+        case InvalidInputError():
+            return bad_request(exc.field, str(exc))
+        case ValueError():
+            return bad_request(None, str(exc))
+        case EngineDeadError():
+            return APIError(503, f"the engine is dead and cannot serve requests: {exc}",
+                            type="service_unavailable", code="engine_dead")
+        case _:
+            return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                            type="internal_server_error")

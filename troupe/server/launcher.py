@@ -1,0 +1,170 @@
+"""`troupe serve`: run the app under uvicorn, with troupe's own signal and engine-death handling.
+
+1. Bind the listening socket first (so `--port 0` works and the port is printed at once:
+   `troupe serve: http://HOST:PORT`), then start uvicorn on it; the app's lifespan loads the model,
+   and the socket accepts connections once the engine is ready.
+2. SIGTERM / SIGINT: `/health` and new generation requests answer 503, uvicorn stops accepting
+   connections, in-flight requests keep running for `--shutdown-timeout` seconds and are then
+   aborted (each stream ends with finish_reason "abort" and `[DONE]`); when they are done, the
+   lifespan shuts the engine down and the process exits 0. A second signal aborts at once.
+3. Engine death: requests get 503 at once; after `--exit-on-engine-death-after` seconds the server
+   shuts down the same way and exits 1, so a supervisor can restart it (a negative value keeps
+   it up, answering 503).
+4. A startup failure (a model that cannot load) exits 3, uvicorn's code for it.
+
+uvicorn's own signal handlers are not installed (it would re-raise the signal after shutting down,
+so the exit status would not be 0); anyio's signal receiver is used instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from troupe.server.state import ServerState
+
+log = structlog.get_logger("troupe.server")
+
+EXIT_ENGINE_DEAD = 1
+_ENGINE_POLL_S = 0.2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `serve` flags besides the engine ones (cli.py adds those)."""
+    p.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
+                   help="model folder or the default model's name (same as --model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients use in `model` (default: the model argument)")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (all but /health)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    g.add_argument("--exit-on-engine-death-after", type=float, default=2.0,
+                   help="seconds to keep answering 503 after the engine died, then exit 1 (<0: never)")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20)
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+@dataclass
+class _Run:
+    state: ServerState
+    server: uvicorn.Server
+    shutdown_timeout: float
+    exit_code: int = 0
+    stopping: bool = False
+
+    def stop(self, code: int = 0) -> None:
+        self.exit_code = self.exit_code or code
+        self.stopping = True
+        self.state.draining = True
+        self.server.should_exit = True
+
+
+def _server_class() -> type[uvicorn.Server]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # troupe handles signals itself
+            yield
+
+    return Server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _on_signals(run: _Run) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+            async for sig in signals:
+                if not run.stopping:
+                    log.info("shutting down", signal=signal.Signals(sig).name,
+                             in_flight=run.state.num_in_flight, grace_s=run.shutdown_timeout)
+                    run.stop(0)
+                    tg.start_soon(_abort_after, run, run.shutdown_timeout)
+                else:
+                    log.warning("second signal: aborting every request now")
+                    await run.state.abort_all()
+
+
+async def _abort_after(run: _Run, delay: float) -> None:
+    await anyio.sleep(delay)
+    if run.state.num_in_flight:
+        log.warning("shutdown grace over: aborting", in_flight=run.state.num_in_flight)
+        await run.state.abort_all()
+
+
+async def _watch_engine(run: _Run, exit_after: float) -> None:
+    """Poll for engine death (no event to wait on); then 503 for `exit_after` s and shut down."""
+    while not (run.state.llm is not None and run.state.llm.errored):  # noqa: ASYNC110 (AsyncLLM has no death event)
+        await anyio.sleep(_ENGINE_POLL_S)
+    log.error("engine died; /health answers 503", exit_after_s=exit_after if exit_after >= 0 else None,
+              error=str(run.state.llm.dead_error) if run.state.llm else None)
+    if exit_after < 0:
+        return
+    await anyio.sleep(exit_after)
+    if not run.stopping:  # a shutdown already under way keeps its exit code
+        run.stop(EXIT_ENGINE_DEAD)
+
+
+async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    """Serve until a signal or engine death; returns the exit code."""
+    import uvicorn
+
+    from troupe.facades.async_llm import AsyncLLM
+    from troupe.server.app import build_app
+    from troupe.server.state import ServerSettings
+
+    names = args.served_model_name or [engine_options["model"]]
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
+                              max_body_bytes=args.max_request_body_bytes)
+    app = build_app(settings, lambda: AsyncLLM(**engine_options))
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"troupe serve: http://{host}:{port}", flush=True)
+    grace = max(0.0, args.shutdown_timeout)
+    config = uvicorn.Config(app, lifespan="on", log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=grace + 5.0)
+    run = _Run(app.state.troupe, _server_class()(config), grace)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_on_signals, run)
+        tg.start_soon(_watch_engine, run, args.exit_on_engine_death_after)
+        try:
+            await run.server.serve(sockets=[sock])
+        except SystemExit as exc:  # uvicorn exits 3 when the lifespan (model load) fails
+            run.exit_code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            sock.close()
+            tg.cancel_scope.cancel()
+    return run.exit_code
+
+
+def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    """`troupe serve` with parsed `args`; `engine_options` are EngineConfig fields (MODEL wins)."""
+    if args.model_name is not None:
+        engine_options = {**engine_options, "model": args.model_name}
+    code = anyio.run(serve_async, args, engine_options, backend="asyncio")
+    print(f"troupe serve: exit {code}", file=sys.stderr, flush=True)
+    return code
