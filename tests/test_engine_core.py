@@ -121,3 +121,19 @@ def test_abort_frees_everything(core: EngineCore) -> None:
     assert not core.has_unfinished_requests()
     assert core.kv.usage == 0.0
     assert sorted(core.step().finished_requests) == [f"a{i}" for i in range(4)]
+
+
+def test_priority_needs_the_priority_policy(core: EngineCore, tiny_llama: Path) -> None:
+    """A priority under FCFS is an error, never silently ignored; the priority policy honours it."""
+    with pytest.raises(InvalidInputError) as info:
+        core.add_request(AddRequest("p", [1, 2], SamplingParams(max_tokens=2), 2, priority=5))
+    assert info.value.field == "priority"
+    prio = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, max_num_seqs=1,
+                                   num_threads=1, scheduling_policy="priority"))
+    order: list[str] = []
+    for rid, priority in (("late", 5), ("urgent", -1)):
+        prio.add_request(AddRequest(rid, [1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True), 1,
+                                    priority=priority))
+    while prio.has_unfinished_requests():
+        order.extend(o.request_id for o in prio.step().outputs if o.finished)
+    assert order == ["urgent", "late"]

@@ -30,6 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--in-process", action="store_true", help="run the EngineCore in this process (debugging)")
 
@@ -50,7 +51,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads,
+                enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
                 multiprocess=not args.in_process)
 
 

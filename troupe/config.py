@@ -23,6 +23,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
     num_threads: int | None = None  # torch threads in the engine; None: all cores / engines
     output_chunk_size: int = 128
@@ -45,6 +46,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not isinstance(value, int) or value < lo:
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {value!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidInputError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -41,7 +41,8 @@ class EngineCore:
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   policy="priority" if config.scheduling_policy == "priority" else "fcfs")
         self.sampler = Sampler(seed=config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Request] = {}
@@ -66,6 +67,9 @@ class EngineCore:
         if msg.request_id in self._requests:
             raise InvalidInputError("request_id", f"{msg.request_id!r} is already running in this engine")
         validate_prompt_ids(msg.prompt_token_ids, self.limits)
+        if msg.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidInputError("priority", f"got {msg.priority}, but the engine schedules first-come-first-"
+                                    "served; start it with scheduling_policy='priority' to use priorities")
         if msg.max_tokens < 1:
             raise InvalidInputError("max_tokens", f"must be >= 1, got {msg.max_tokens}")
         req = Request.from_message(msg)
