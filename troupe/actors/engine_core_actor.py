@@ -102,6 +102,9 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
         while True:
             await self._apply_pending(core)
             if not core.has_unfinished_requests():
+                if core.has_unreported_finishes():
+                    # aborts emptied the engine: publish that (stats, finished ids) without a model step
+                    await self._outbox.send(core.step())
                 if self._inbox_closed:
                     return
                 await self._wakeup.wait()

@@ -92,6 +92,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_unreported_finishes(self) -> bool:
+        """Requests aborted since the last step, not yet reported in `finished_requests`."""
+        return bool(self._aborted_since_last_step)
+
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
