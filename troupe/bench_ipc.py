@@ -32,9 +32,9 @@ def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
 
     opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
                 num_threads=args.threads, enable_prefix_caching=False)
-    llms = {"multiprocess": LLM(**opts, multiprocess=True), "in-process": LLM(**opts, multiprocess=False)}
+    llms = {mode: LLM(**opts, multiprocess=mode == "multiprocess") for mode in args.modes.split(",")}
     try:
-        prompts = make_prompts(llms["in-process"].get_tokenizer(), 64, 20, 400)
+        prompts = make_prompts(next(iter(llms.values())).get_tokenizer(), 64, 20, 400)
         params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
         jobs = [{"prompt_token_ids": p} for p in prompts]
         warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -91,8 +91,8 @@ async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list
     from troupe import AsyncLLM
 
     runs: dict[str, list[float]] = {}
-    for mode, multiprocess in (("multiprocess", True), ("in-process", False)):
-        async with AsyncLLM(args.model, null_model=True, multiprocess=multiprocess, make_core=make_core,
+    for mode in args.modes.split(","):
+        async with AsyncLLM(args.model, null_model=True, multiprocess=mode == "multiprocess", make_core=make_core,
                             max_num_seqs=args.streams, max_num_batched_tokens=max(1024, 16 * args.streams),
                             num_threads=args.threads) as llm:
             runs[mode] = []
@@ -112,7 +112,8 @@ def _report(title: str, runs: dict[str, list[float]]) -> None:
     for mode, value in med.items():
         spread = f"{min(runs[mode]):.1f}..{max(runs[mode]):.1f}"
         print(f"  {mode:<12} {value:10.1f} output tok/s  (median of {len(runs[mode])}: {spread})")
-    print(f"  multiprocess / in-process: {med['multiprocess'] / med['in-process']:.3f}")
+    if len(med) == 2:
+        print(f"  multiprocess / in-process: {med['multiprocess'] / med['in-process']:.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default="multiprocess,in-process", choices=["multiprocess,in-process",
+                   "multiprocess", "in-process"], help="which engine modes to measure")
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--null-tokens", type=int, default=128)
     args = p.parse_args(argv)
