@@ -89,8 +89,9 @@ class FakeEngine:
                 self.closed.append(str(request_id))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, *, add_generation_prompt: bool = True) -> AsyncGenerator[RequestOutput]:
-        return self.generate("", sampling_params, request_id)
+             request_id: str | None = None, *, add_generation_prompt: bool = True,
+             priority: int = 0) -> AsyncGenerator[RequestOutput]:
+        return self.generate("", sampling_params, request_id, priority=priority)
 
 
 def make_app(engine: FakeEngine) -> Starlette:

@@ -33,6 +33,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...]
     kv_capacity_tokens: int | None = None  # tokens one request can hold in the KV pool
     data_parallel_size: int = 1
+    priority_scheduling: bool = False  # the engine honours `priority` (scheduling_policy="priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,9 @@ def build_request(
             raise InvalidInputError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
     if not isinstance(priority, int):
         raise InvalidInputError("priority", f"must be an integer, got {priority!r}")
+    if priority != 0 and not limits.priority_scheduling:
+        raise InvalidInputError("priority", f"got {priority}, but the engine schedules first-come-first-served; "
+                                "start it with scheduling_policy='priority' to use priorities")
     if data_parallel_rank is not None and not 0 <= data_parallel_rank < limits.data_parallel_size:
         raise InvalidInputError(
             "data_parallel_rank",

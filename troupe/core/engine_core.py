@@ -53,6 +53,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.runner.info.eos_token_ids),
             kv_capacity_tokens=self.kv_capacity_tokens,
+            priority_scheduling=config.scheduling_policy == "priority",
         )
 
     @property
@@ -67,7 +68,7 @@ class EngineCore:
         if msg.request_id in self._requests:
             raise InvalidInputError("request_id", f"{msg.request_id!r} is already running in this engine")
         validate_prompt_ids(msg.prompt_token_ids, self.limits)
-        if msg.priority != 0 and self.config.scheduling_policy != "priority":
+        if msg.priority != 0 and not self.limits.priority_scheduling:
             raise InvalidInputError("priority", f"got {msg.priority}, but the engine schedules first-come-first-"
                                     "served; start it with scheduling_policy='priority' to use priorities")
         if msg.max_tokens < 1:

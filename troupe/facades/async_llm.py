@@ -147,10 +147,11 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     async def chat(self, messages: ChatMessages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
-                   add_generation_prompt: bool = True) -> AsyncGenerator[RequestOutput]:
+                   add_generation_prompt: bool = True, priority: int = 0) -> AsyncGenerator[RequestOutput]:
         """`generate` for a conversation rendered by the model's chat template."""
         stream = await self.add_request(None, sampling_params, request_id, messages=messages,
-                                        chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+                                        chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                        priority=priority)
         async for out in self._follow(stream):
             yield out
 

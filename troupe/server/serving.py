@@ -217,15 +217,13 @@ async def create_chat_completion(request: Request) -> Response:
     req = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
     model = state.check_model(req.model)
     reject_unsupported(req)
-    if req.priority != 0:
-        raise APIError(400, "`priority` is not supported for chat yet (AsyncLLM.chat has no priority)",
-                       param="priority")
     params = req.sampling_params()
     messages = req.conversation()
     llm = state.engine()
     base = request_id(request)
     source = state.follow(base, params.output_kind, arrival,
-                          llm.chat(messages, params, base, add_generation_prompt=req.add_generation_prompt))
+                          llm.chat(messages, params, base, add_generation_prompt=req.add_generation_prompt,
+                                   priority=req.priority))
     response_id, created = f"chatcmpl-{base}", int(time.time())
     if req.stream:
         return EventStream([source], ChatStream(response_id, model, created, req.include_usage))
