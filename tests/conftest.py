@@ -1,17 +1,19 @@
 """Shared fixtures: the default model's tokenizer (SmolLM2-135M-Instruct, from a local GGUF), a tiny
-random Llama, the two engine modes (`engine_mode`) and leak checks for engine processes and ipc files."""
+random Llama, the engine modes (`engine_mode`) and leak checks for engine processes and ipc files."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engines import INFRASTRUCTURE_PIDS, headless_engines
 
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -65,11 +67,57 @@ def ipc_root() -> Any:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session", params=[True, False], ids=["multiprocess", "in-process"])
-def engine_mode(request: pytest.FixtureRequest, ipc_root: str) -> dict[str, Any]:
-    """Engine options for one of the two modes: the EngineCore in its own process (the default)
-    or in this one. Every engine test runs in both."""
-    return {"multiprocess": request.param, "ipc_dir": ipc_root}
+ENGINE_MODES = ["multiprocess", "in-process", "dp2-in-process", "dp2-headless"]
+
+
+@pytest.fixture(scope="session", params=ENGINE_MODES)
+def engine_mode(request: pytest.FixtureRequest, ipc_root: str) -> Any:
+    """Engine options for one way of running the engines; every engine test runs in each:
+    the EngineCore in its own process (the default) or in this one; two in-process engines behind
+    the DP balancer; two headless engines (`troupe engine --connect ... --serve-forever`, started
+    here for the session) that each frontend of the test reaches over loopback TCP."""
+    mode = request.param
+    if mode == "multiprocess":
+        yield {"multiprocess": True, "ipc_dir": ipc_root}
+    elif mode == "in-process":
+        yield {"multiprocess": False, "ipc_dir": ipc_root}
+    elif mode == "dp2-in-process":
+        yield {"multiprocess": False, "ipc_dir": ipc_root, "data_parallel_size": 2}
+    else:
+        with headless_engines(2) as first, headless_engines(2) as second:
+            yield HeadlessOptions([first, second], {"ipc_dir": ipc_root, "multiprocess": True,
+                                                    "data_parallel_size": 2, "data_parallel_size_local": 0})
+
+
+class HeadlessOptions(Mapping[str, Any]):
+    """Engine options whose `data_parallel_address` is, at each `**` expansion, a pool of headless
+    engines no frontend is using now (a test may hold two frontends at once: a module's shared one
+    and its own); a pool is busy while a frontend listens on its port."""
+
+    def __init__(self, addresses: list[str], options: dict[str, Any]) -> None:
+        self._addresses = addresses
+        self._options = options
+
+    def _free_address(self) -> str:
+        for address in self._addresses:
+            port = int(address.rpartition(":")[2])
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return address
+        raise RuntimeError("every pool of headless engines serves a frontend")
+
+    def __getitem__(self, key: str) -> Any:
+        return self._free_address() if key == "data_parallel_address" else self._options[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._options, "data_parallel_address"])
+
+    def __len__(self) -> int:
+        return len(self._options) + 1
 
 
 def child_pids() -> list[int]:
@@ -98,6 +146,7 @@ def assert_no_leftovers(ipc_dir: str, pids: Iterable[int] | None = None) -> None
     children = set(child_pids())
     # spawn starts one resource tracker per parent, for the parent's lifetime: infrastructure, not a leak
     children.discard(getattr(resource_tracker._resource_tracker, "_pid", None))
+    children -= INFRASTRUCTURE_PIDS
     assert sorted(children if pids is None else children & set(pids)) == []
     assert os.listdir(ipc_dir) == []  # a running engine has removed its socket file too
 

@@ -1,8 +1,10 @@
-"""The `troupe` command line: `generate`, `chat`, `serve` and `bench`.
+"""The `troupe` command line: `generate`, `chat`, `serve`, `engine` and `bench`.
 
 `troupe generate "prompt"` streams one answer to the terminal; `troupe chat` is an interactive
 conversation through the model's chat template; `troupe serve` runs the OpenAI-compatible HTTP
-server (docs/server.md); `troupe bench` runs the offline benchmark. All use the default model
+server (docs/server.md); `troupe engine --connect tcp://HOST:PORT --rank R` starts a headless
+engine that joins a frontend with data-parallel engines elsewhere (docs/data_parallel.md);
+`troupe bench` runs the offline benchmark. All use the default model
 (SmolLM2-135M-Instruct) unless `--model` names another.
 """
 
@@ -33,6 +35,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--in-process", action="store_true", help="run the EngineCore in this process (debugging)")
+    g.add_argument("--data-parallel-size", "--dp", type=int, default=1,
+                   help="EngineCores behind the DP balancer (each a process with its own model copy)")
+    g.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="of those, how many this command starts (the others join with `troupe engine`)")
+    g.add_argument("--data-parallel-address", default=None,
+                   help="tcp://HOST:PORT where engines from elsewhere join (rank r on PORT + r)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,8 +59,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
-                multiprocess=not args.in_process)
+                enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
+                num_threads=args.num_threads, multiprocess=not args.in_process,
+                data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,
+                data_parallel_address=args.data_parallel_address)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -117,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
     _engine_args(serve)
+    engine = sub.add_parser("engine", help="a headless engine that joins a frontend over TCP (docs/data_parallel.md)")
+    engine.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                        help="the frontend's data_parallel_address (this engine connects to PORT + rank)")
+    engine.add_argument("--rank", type=int, required=True, help="this engine's data-parallel rank")
+    engine.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads (default: the frontend's setting, else all cores here)")
+    engine.add_argument("--start-timeout", type=float, default=None,
+                        help="seconds to wait for the frontend (default: for ever)")
+    engine.add_argument("--log-level", default=None, help="as TROUPE_LOG_LEVEL")
+    engine.add_argument("--serve-forever", action="store_true",
+                        help="after a frontend leaves, wait for the next one (stop it with a signal)")
     bench = sub.add_parser("bench", help="offline throughput benchmark (see docs/benchmarks.md)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
@@ -133,6 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from troupe.server.launcher import serve
 
             return serve(args, engine_options(args))
+        elif args.command == "engine":
+            from troupe.process.engine_main import run_headless_engine
+
+            if args.rank < 0:
+                raise ValueError(f"--rank: must be >= 0, got {args.rank}")
+            return run_headless_engine(args.connect, args.rank, num_threads=args.num_threads,
+                                       log_level=args.log_level, start_timeout_s=args.start_timeout,
+                                       serve_forever=args.serve_forever)
         elif args.command == "bench":
             from troupe.bench import main as bench_main
 

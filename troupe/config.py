@@ -35,6 +35,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     engine_ready_timeout_s: float = 300.0  # start-up handshake deadline (first use may convert a model)
     engine_hang_timeout_s: float | None = 120.0  # no step for this long while requests wait: "hung"
     engine_shutdown_timeout_s: float = 5.0  # graceful stop before SIGTERM (then SIGKILL after 2 s more)
+    # --- data parallel (docs/data_parallel.md)
+    data_parallel_size: int = 1  # EngineCores serving this frontend, behind the DP balancer
+    data_parallel_size_local: int | None = None  # of those, spawned here (ranks 0..local-1); None: all
+    data_parallel_address: str | None = None  # "tcp://HOST:PORT": rank r of the others connects to PORT + r
+    # --- logging (docs/debugging.md)
+    log_stats_interval_s: float | None = 10.0  # the periodic stats line (silent while idle); None: off
     fault_injection: str | None = None  # TEST-ONLY, see troupe/faults.py; None in real use
 
     def __post_init__(self) -> None:
@@ -56,9 +62,29 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidInputError("num_threads", f"must be >= 1, got {self.num_threads}")
-        for name in ("engine_ready_timeout_s", "engine_hang_timeout_s", "engine_shutdown_timeout_s"):
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise InvalidInputError("data_parallel_size", f"must be an integer >= 1, got {self.data_parallel_size!r}")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise InvalidInputError("data_parallel_size_local",
+                                    f"must be in [0, {self.data_parallel_size}] (data_parallel_size), got {local!r}")
+        if self.num_remote_engines and not (self.data_parallel_address or "").startswith("tcp://"):
+            raise InvalidInputError("data_parallel_address", "must be tcp://HOST:PORT when engines join from "
+                                    f"elsewhere (data_parallel_size_local={local}), got {self.data_parallel_address!r}")
+        for name in ("engine_ready_timeout_s", "engine_hang_timeout_s", "engine_shutdown_timeout_s",
+                     "log_stats_interval_s"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or value <= 0):
                 raise InvalidInputError(name, f"must be a number of seconds > 0, got {value!r}")
         if self.engine_address is not None and not self.engine_address.startswith(("ipc://", "tcp://")):
             raise InvalidInputError("engine_address", f"must start with ipc:// or tcp://, got {self.engine_address!r}")
+
+    @property
+    def num_local_engines(self) -> int:
+        """Engines this frontend starts itself (ranks 0 .. num_local_engines - 1)."""
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def num_remote_engines(self) -> int:
+        """Engines started elsewhere (`troupe engine --connect`) that join over TCP."""
+        return self.data_parallel_size - self.num_local_engines

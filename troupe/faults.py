@@ -13,6 +13,7 @@ Grammar: comma-separated `name=value` items.
   hung engine; the test creates the file to let it go on).
 - `block_startup=1`: building the engine blocks until `release=PATH` exists (a slow start-up).
 - `fail_startup=MESSAGE`: building the engine raises `RuntimeError(MESSAGE)`.
+- `engine=R`: the step faults above apply to data-parallel rank R only (default: every engine).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 from typing import Any
 
 _NAMES = {"raise_after_steps", "crash_after_steps", "block_after_steps", "block_startup", "fail_startup",
-          "release"}
+          "release", "engine"}
 POLL_S = 0.01
 
 
@@ -61,7 +62,7 @@ def install(core: Any, spec: str | None) -> None:
     """Step faults: wrap `core.runner.execute` (the model call of one step)."""
     faults = parse(spec)
     step_faults = {k: int(v) for k, v in faults.items() if k.endswith("_after_steps")}
-    if not step_faults:
+    if not step_faults or ("engine" in faults and int(faults["engine"]) != getattr(core, "engine_index", 0)):
         return
     real = core.runner.execute
     calls = 0

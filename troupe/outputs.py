@@ -39,7 +39,8 @@ class RequestMetrics(msgspec.Struct, gc=False):
     """Timestamps (time.monotonic seconds) and counts of one request, attached to its final output.
 
     `first_token_time` / `last_token_time` are None until a token arrived; `finished_time` is None
-    until the request finished (any reason, abort included).
+    until the request finished (any reason, abort included). `engine_index` is the engine (DP rank)
+    that served the request, None until it produced something.
     """
 
     arrival_time: float
@@ -48,12 +49,20 @@ class RequestMetrics(msgspec.Struct, gc=False):
     finished_time: float | None = None
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    engine_index: int | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        """Arrival to finish, in seconds (None while running)."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
 
 
 class CompletionOutput(msgspec.Struct, gc=False):

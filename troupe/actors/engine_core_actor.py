@@ -11,10 +11,17 @@ Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are d
 
 The inbox reader never waits for the model: messages are queued in `_pending` while a step runs
 and applied between steps, so adds and aborts keep flowing during a forward pass.
+
+Logs: every line carries `actor=engine_core`, `engine=` (the DP rank) and `step=` (the number of the
+step being prepared or run, 1-based); lines about a request carry the user's id as `request_id=`,
+taken from the message and passed on the line (log context does not cross the process boundary,
+and binding it per message costs more). Trace level adds the hop "request received" (inbox) and,
+from the EngineCore, "request scheduled", "request finished in engine" and one "step" per step.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
@@ -27,6 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from troupe.core.engine_core import EngineCore
 from troupe.errors import InvalidInputError
+from troupe.log import trace, trace_enabled
 from troupe.messages import (
     AbortRequest,
     AddRequest,
@@ -93,6 +101,9 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
     async def _read_inbox(self) -> None:
         async with self._inbox:
             async for msg in self._inbox:
+                if trace_enabled() and isinstance(msg, AddRequest):
+                    trace(log, "request received", request_id=msg.external_id, internal_id=msg.request_id,
+                          step=self._steps + 1)
                 self._pending.append(msg)
                 self._wakeup.set()
         self._inbox_closed = True
@@ -100,6 +111,7 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
 
     async def _step_loop(self, core: EngineCore) -> None:
         while True:
+            structlog.contextvars.bind_contextvars(step=self._steps + 1)
             await self._apply_pending(core)
             if not core.has_unfinished_requests():
                 if core.has_unreported_finishes():
@@ -127,15 +139,16 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
         for msg in pending:
             match msg:
                 case AddRequest():
-                    with structlog.contextvars.bound_contextvars(request_id=msg.external_id):
-                        try:
-                            core.add_request(msg)
-                        except InvalidInputError as exc:  # a per-request failure, not an engine failure
-                            log.warning("request rejected", error=str(exc))
-                            errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR,
-                                                           error=str(exc)))
-                        else:
-                            log.debug("request added", prompt_tokens=len(msg.prompt_token_ids))
+                    try:
+                        core.add_request(msg)
+                    except InvalidInputError as exc:  # a per-request failure, not an engine failure
+                        log.warning("request rejected", request_id=msg.external_id, internal_id=msg.request_id,
+                                    error=str(exc))
+                        errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR, error=str(exc)))
+                    else:
+                        log.debug("request added", request_id=msg.external_id, internal_id=msg.request_id,
+                                  prompt_tokens=len(msg.prompt_token_ids),
+                                  since_arrival_s=round(time.time() - msg.arrival_time, 4) if msg.arrival_time else None)
                 case AbortRequest():
                     core.abort_requests(msg.request_ids)
                 case UtilityCall():

@@ -8,7 +8,7 @@ start with `await tg.start(side.run)` (returning once the engine is ready, or ra
 - `InProcessEngine` (`multiprocess=False`, for debugging): builds the EngineCore in a worker thread
   and runs the `EngineCoreActor` in the graph's task group.
 - `EngineProcess` (troupe.process.client, the default): the same actor in a spawned process,
-  behind a ZMQ bridge.
+  behind a ZMQ bridge; or (`remote=True`) in a headless engine that joins over TCP.
 
 `build_core` is shared by both: it applies the test-only fault hooks and turns any failure into
 `EngineStartupError` with the traceback text.
@@ -50,13 +50,14 @@ class EngineSide(Protocol):
     def statistics(self) -> Any: ...
 
 
-def build_core(config: EngineConfig, make_core: MakeCore | None = None) -> EngineCore:
+def build_core(config: EngineConfig, make_core: MakeCore | None = None, engine_index: int = 0) -> EngineCore:
     """Build the EngineCore (blocking: a worker thread or the engine process), faults installed."""
     try:
         from troupe.core.engine_core import EngineCore  # torch: only where the engine runs
 
         faults.before_build(config.fault_injection)
         core = (make_core or EngineCore)(config)
+        core.engine_index = engine_index
         faults.install(core, config.fault_injection)
         return core
     except Exception as exc:
@@ -73,8 +74,10 @@ class InProcessEngine:
     """The engine side in this process: an `EngineCoreActor` whose core is built in a worker thread."""
 
     def __init__(self, config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
-                 outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None) -> None:
+                 outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None,
+                 engine_index: int = 0) -> None:
         self.config = config
+        self.engine_index = engine_index
         self._inbox = inbox
         self._outbox = outbox
         self._make_core = make_core
@@ -96,17 +99,21 @@ class InProcessEngine:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         from troupe.actors.engine_core_actor import EngineCoreActor
 
-        core = await anyio.to_thread.run_sync(build_core, self.config, self._make_core)
-        self._ready = ready_info(core)
-        self.actor = EngineCoreActor(core, self._inbox, self._outbox)
+        core = await anyio.to_thread.run_sync(build_core, self.config, self._make_core, self.engine_index)
+        self._ready = ready_info(core, self.engine_index)
+        self.actor = EngineCoreActor(core, self._inbox, self._outbox, engine_index=self.engine_index)
         await self.actor.run(task_status=task_status)
 
 
 def make_engine_side(config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
                      outbox: MemoryObjectSendStream[EngineOutput], *,
-                     make_core: MakeCore | None = None) -> EngineSide:
-    if not config.multiprocess:
-        return InProcessEngine(config, inbox, outbox, make_core=make_core)
+                     make_core: MakeCore | None = None, engine_index: int = 0) -> EngineSide:
+    """Rank `engine_index`'s side: ranks below `num_local_engines` start here (in this process with
+    `multiprocess=False`, else in a spawned one); the others are headless engines that join over TCP."""
+    remote = engine_index >= config.num_local_engines
+    if not remote and not config.multiprocess:
+        return InProcessEngine(config, inbox, outbox, make_core=make_core, engine_index=engine_index)
     from troupe.process.client import EngineProcess
 
-    return EngineProcess(config, inbox, outbox, make_core=make_core)
+    return EngineProcess(config, inbox, outbox, make_core=None if remote else make_core,
+                         engine_index=engine_index, remote=remote)

@@ -8,10 +8,15 @@ Shutdown: EndOfStream on the inbox, or cancellation.
 
 Each `EngineCoreOutputs` is processed in slices of at most `chunk_size` entries with a checkpoint
 between slices, so a step with thousands of requests never holds the event loop for long.
+
+Logs (`actor=output_handler`): the canonical "request finished" line of each request (through the
+`RequestTable`), "engine died", and at trace level "outputs received", one line per engine step with
+its lag since the engine sent it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import NamedTuple, assert_never
@@ -23,6 +28,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.actors.requests import RequestTable
+from troupe.log import trace, trace_enabled
 from troupe.messages import (
     AbortRequest,
     EngineCoreOutputs,
@@ -80,10 +86,14 @@ class OutputHandler(anyio.AsyncContextManagerMixin):
         self._steps += 1
         self._table.record_stats(msg)
         outputs = msg.outputs
+        if trace_enabled():
+            trace(log, "outputs received", engine=msg.engine_index, outputs=len(outputs),
+                  finished=len(msg.finished_requests), lag_s=round(time.monotonic() - msg.timestamp, 5),
+                  engine_step=msg.scheduler_stats.step_counter if msg.scheduler_stats else None)
         for start in range(0, len(outputs), self.chunk_size):
             if start:
                 await anyio.lowlevel.checkpoint()  # let other tasks run between slices
-            to_abort = self._table.process_slice(outputs[start:start + self.chunk_size])
+            to_abort = self._table.process_slice(outputs[start:start + self.chunk_size], msg.engine_index)
             self._slices += 1
             if to_abort:
                 await self._to_engine.send(AbortRequest(to_abort))

@@ -3,9 +3,13 @@
 It holds the pure `OutputProcessor` (detokenization, stop strings, output kinds), one
 `RequestStream` per request for its consumer, the map from user ids to internal ids, pending
 utility calls, the latest engine stats and the time of the engine's last sign of progress (for hang
-detection: `stalled_for`). All of it is touched from the graph's event loop only,
-so no locks: the input processor registers a request *before* sending it to the engine, which
-orders registration before any output for it.
+detection: `stalled_for`) and cumulative token counts per engine (for the stats line). All of it is
+touched from the graph's event loop only, so no locks: the input processor registers a request
+*before* sending it to the engine, which orders registration before any output for it.
+
+Logs: the canonical line, "request finished", once per request however it ends (finished, stopped,
+aborted, errored, engine dead): see `log_finished`. At trace level, the hops "output ready" (the
+output handler put an output in the request's stream) and "output taken" (the consumer got it).
 """
 
 from __future__ import annotations
@@ -17,13 +21,53 @@ from collections.abc import Iterable
 from typing import Any
 
 import anyio
+import structlog
 
 from troupe.errors import EngineDeadError
+from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, SchedulerStats, UtilityResult
 from troupe.output.collector import RequestOutputCollector
 from troupe.output.processor import OutputProcessor
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind
+
+log = structlog.get_logger("troupe.requests")
+
+
+def log_finished(out: RequestOutput, internal_id: str, *, finish_reason: str | None = None,
+                 **extra: Any) -> None:
+    """The canonical line of a request that ended, from its final output.
+
+    Fields: `request_id` (the user's id), `internal_id`, `finish_reason`, `prompt_tokens`,
+    `output_tokens`, `cached_tokens` (prompt tokens served by the prefix cache), `ttft_s` (arrival
+    in the frontend to first token; None if none came), `total_s` (arrival to finish),
+    `output_tokens_per_s` (output tokens / total_s), `engine` (None if no engine answered) and
+    `preemptions`; plus `extra` (e.g. `error`)."""
+    m = out.metrics
+    completion = out.outputs[0] if out.outputs else None
+    if finish_reason is None:
+        finish_reason = completion.finish_reason if completion is not None else None
+    ttft = total = None
+    output_tokens = preemptions = 0
+    engine = None
+    if m is not None:
+        output_tokens, preemptions, engine = m.num_generation_tokens, m.num_preemptions, m.engine_index
+        ttft, total = m.time_to_first_token, m.total_time
+    log.info("request finished", request_id=out.request_id, internal_id=internal_id, finish_reason=finish_reason,
+             prompt_tokens=len(out.prompt_token_ids or ()), output_tokens=output_tokens,
+             cached_tokens=out.num_cached_tokens,
+             ttft_s=None if ttft is None else round(ttft, 4), total_s=None if total is None else round(total, 4),
+             output_tokens_per_s=round(output_tokens / total, 1) if total else None,
+             engine=engine, preemptions=preemptions, **extra)
+
+
+class EngineTotals:
+    """Cumulative tokens one engine computed, summed from its per-step stats."""
+
+    __slots__ = ("prompt_tokens", "generation_tokens", "steps")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.generation_tokens = self.steps = 0
 
 
 class RequestStream:
@@ -34,8 +78,15 @@ class RequestStream:
         self.external_id = external_id
         self._collector = RequestOutputCollector(output_kind)
         self._ready = anyio.Event()
+        self._put_at = 0.0  # trace only: when the oldest pending output was put
 
     def put(self, output: RequestOutput) -> None:
+        if trace_enabled():
+            trace(log, "output ready", request_id=self.external_id, internal_id=self.request_id,
+                  tokens=sum(len(c.token_ids) for c in output.outputs), finished=output.finished,
+                  pending=self._collector.ready)
+            if not self._collector.ready:
+                self._put_at = time.monotonic()
         self._collector.put(output)
         self._ready.set()
 
@@ -51,6 +102,10 @@ class RequestStream:
         while True:
             out = self._collector.get_nowait()
             if out is not None:
+                if trace_enabled():
+                    trace(log, "output taken", actor="collector", request_id=self.external_id,
+                          internal_id=self.request_id, tokens=sum(len(c.token_ids) for c in out.outputs),
+                          finished=out.finished, waited_s=round(time.monotonic() - self._put_at, 5))
                 return out
             await self._ready.wait()
             self._ready = anyio.Event()
@@ -63,6 +118,7 @@ class RequestTable:
         self.by_external: defaultdict[str, set[str]] = defaultdict(set)
         self.dead_error: EngineDeadError | None = None
         self.engine_stats: dict[int, SchedulerStats] = {}
+        self.engine_totals: dict[int, EngineTotals] = {}
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
         self.last_progress = time.monotonic()  # last step output or utility reply (or work after idleness)
@@ -90,15 +146,22 @@ class RequestTable:
                 if not ids:
                     del self.by_external[stream.external_id]
 
-    def process_slice(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        """Deliver one slice of engine outputs; returns ids the engine must abort (stop strings)."""
-        processed = self.processor.process_outputs(outputs)
+    def process_slice(self, outputs: list[EngineCoreOutput], engine_index: int | None = None) -> list[str]:
+        """Deliver one slice of the outputs of engine `engine_index`; returns ids the engine must
+        abort (stop strings). Logs the canonical line of each request that finished."""
+        processed = self.processor.process_outputs(outputs, engine_index=engine_index)
         for rid, out in processed.request_outputs.items():
             stream = self.streams.get(rid)
             if stream is not None:
                 stream.put(out)
                 if out.finished:
                     self._drop(rid)
+            if out.finished:
+                if out.outputs and out.outputs[0].finish_reason == "error":
+                    error = next((e.error for e in outputs if e.request_id == rid and e.error), None)
+                    log_finished(out, rid, error=error)
+                else:
+                    log_finished(out, rid)
         for entry in outputs:  # engine-side errors for one request (e.g. rejected at add)
             if entry.error is not None and entry.request_id in self.streams:
                 self.streams[entry.request_id].put_error(ValueError(entry.error))
@@ -113,11 +176,13 @@ class RequestTable:
         """Finish these requests with finish_reason 'abort'; returns those that were live."""
         live = [rid for rid in internal_ids if rid in self.streams]
         finals = self.processor.abort_requests(live)
+        extra = {} if "actor" in structlog.contextvars.get_contextvars() else {"actor": "frontend"}
         for rid in live:
             stream = self.streams[rid]
             final = finals.get(rid)
             if final is not None:
                 stream.put(final)
+                log_finished(final, rid, **extra)
             self._drop(rid)
         return live
 
@@ -130,7 +195,9 @@ class RequestTable:
         for rid, stream in list(self.streams.items()):
             stream.put_error(self.dead_error)
             self._drop(rid)
-        self.processor.abort_requests(list(self.processor.request_ids()))
+        finals = self.processor.abort_requests(list(self.processor.request_ids()))
+        for rid, final in finals.items():
+            log_finished(final, rid, finish_reason="error", error=str(self.dead_error))
         for event, _ in self._calls.values():
             event.set()
         return self.dead_error
@@ -149,8 +216,15 @@ class RequestTable:
 
     def record_stats(self, msg: EngineCoreOutputs) -> None:
         self.last_progress = time.monotonic()  # one message per step
-        if msg.scheduler_stats is not None:
-            self.engine_stats[msg.engine_index] = msg.scheduler_stats
+        stats = msg.scheduler_stats
+        if stats is not None:
+            self.engine_stats[msg.engine_index] = stats
+            totals = self.engine_totals.get(msg.engine_index)
+            if totals is None:
+                totals = self.engine_totals[msg.engine_index] = EngineTotals()
+            totals.prompt_tokens += stats.num_prompt_tokens
+            totals.generation_tokens += stats.num_generation_tokens
+            totals.steps += 1
 
     def new_call(self) -> tuple[int, anyio.Event, list[UtilityResult]]:
         call_id = next(self._call_ids)

@@ -10,13 +10,20 @@ Flow of one `step()`:
 3. the sampler picks one token for each of those;
 4. the scheduler appends them, checks stop conditions, frees finished requests and returns one
    `EngineCoreOutput` per request with something new.
+
+Logs (the caller binds `actor`, `engine` and `step`): "request aborted" and "request preempted" at
+debug; at trace, one "step" line per step and the hops "request scheduled" (first admission, with
+its wait in the queue) and "request finished in engine". All of it is skipped behind one
+`trace_enabled()` test per step when tracing is off.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import msgspec
+import structlog
 import torch
 
 from troupe.config import EngineConfig
@@ -24,10 +31,13 @@ from troupe.core.kv_cache import KVCacheManager
 from troupe.core.model_runner import ModelRunner
 from troupe.core.request import Request
 from troupe.core.sampler import Sampler, SamplingRow
-from troupe.core.scheduler import Scheduler
+from troupe.core.scheduler import ScheduledRequest, Scheduler
 from troupe.errors import InvalidInputError
 from troupe.inputs import ModelLimits, validate_prompt_ids
+from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutputs, FinishReason
+
+log = structlog.get_logger("troupe.engine")
 
 
 class EngineCore:
@@ -47,7 +57,10 @@ class EngineCore:
         self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
+        self._added_at: dict[str, float] = {}  # trace only: when a request joined, until first scheduled
         self.step_counter = 0
+        self.num_added = 0  # requests accepted by add_request (cumulative)
+        self.num_aborted = 0  # requests stopped by abort_requests (cumulative)
         self.limits = ModelLimits(
             vocab_size=self.runner.vocab_size,
             max_model_len=self.max_model_len,
@@ -79,15 +92,22 @@ class EngineCore:
         if msg.params.seed is not None:
             self._generators[msg.request_id] = torch.Generator().manual_seed(msg.params.seed)
         self._requests[msg.request_id] = req
+        self.num_added += 1
         self.scheduler.add_request(req)
+        if trace_enabled():
+            self._added_at[msg.request_id] = time.monotonic()
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop these requests and free their blocks; unknown or finished ids are ignored."""
         ids = [r for r in request_ids if r in self._requests]
         aborted = self.scheduler.finish_requests(ids, FinishReason.ABORT)
         for rid in aborted:
+            req = self._requests[rid]
+            log.debug("request aborted", request_id=req.external_id, internal_id=rid,
+                      output_tokens=req.num_output_tokens)
             self._forget(rid)
         self._aborted_since_last_step.extend(aborted)
+        self.num_aborted += len(aborted)
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -104,18 +124,28 @@ class EngineCore:
         """The scheduler's latest counters plus the KV pool's size."""
         stats = msgspec.structs.asdict(self.scheduler.stats(step_counter=self.step_counter))
         stats.update(num_kv_blocks=self.kv.num_usable_blocks, block_size=self.runner.block_size,
-                     engine_index=self.engine_index)
+                     engine_index=self.engine_index, num_requests_added=self.num_added,
+                     num_requests_aborted=self.num_aborted)
         return stats
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
+        self._added_at.pop(request_id, None)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> EngineCoreOutputs:
         """Run one scheduling + forward + sampling iteration."""
+        tracing = trace_enabled()
+        started = time.monotonic() if tracing else 0.0
         sched_out = self.scheduler.schedule()
+        for rid in sched_out.preempted_req_ids:
+            preempted = self._requests[rid]
+            log.debug("request preempted", request_id=preempted.external_id, internal_id=rid,
+                      preemptions=preempted.num_preemptions, kv_cache_usage=round(self.kv.usage, 3))
+        if tracing:
+            self._trace_scheduled(sched_out.scheduled)
         sampled: dict[str, int] = {}
         if sched_out.scheduled:
             seqs = self.scheduler.to_scheduled_seqs(sched_out)
@@ -128,12 +158,30 @@ class EngineCore:
             self.step_counter += 1
         outputs, finished = self.scheduler.update_from_output(sched_out, sampled)
         for rid in finished:
+            if tracing:
+                req = self._requests[rid]
+                trace(log, "request finished in engine", request_id=req.external_id, internal_id=rid,
+                      finish_reason=str(req.finish_reason), output_tokens=req.num_output_tokens)
             self._forget(rid)
         finished = self._aborted_since_last_step + list(finished)
         self._aborted_since_last_step = []
         stats = self.scheduler.stats(step_counter=self.step_counter)
+        if tracing:
+            trace(log, "step", scheduled=len(sched_out.scheduled), tokens=sched_out.num_scheduled_tokens,
+                  prompt_tokens=stats.num_prompt_tokens, sampled=len(sampled), running=stats.num_running,
+                  waiting=stats.num_waiting, kv_cache_usage=round(stats.kv_cache_usage, 3),
+                  step_s=round(time.monotonic() - started, 5))
         return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs,
                                  scheduler_stats=stats, finished_requests=finished)
+
+    def _trace_scheduled(self, scheduled: Iterable[ScheduledRequest]) -> None:
+        now = time.monotonic()
+        for s in scheduled:
+            added = self._added_at.pop(s.request.request_id, None)
+            if added is not None:  # its first admission
+                trace(log, "request scheduled", request_id=s.request.external_id, internal_id=s.request.request_id,
+                      waited_s=round(now - added, 5), cached_tokens=max(0, s.request.num_cached_tokens),
+                      chunk_tokens=s.num_new_tokens)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         suppressed: frozenset[int] = frozenset()

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import anyio
@@ -91,14 +91,14 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
             raise self.dead_error
         timeout = self.config.engine_hang_timeout_s
         if self._graph is not None and self._graph.table is not None and timeout is not None:
-            stalled = self._graph.table.stalled_for()
+            stalled, _ = self._graph.stalled_for()
             if stalled > timeout:
                 raise EngineHungError(stalled, self._graph.table.num_unfinished, timeout)
 
     @property
     def engine_pids(self) -> list[int]:
         """Process ids of the engine processes (empty in-process)."""
-        return self._graph.engine.pids if self._graph is not None and self._graph.engine is not None else []
+        return self._graph.pids if self._graph is not None else []
 
     def get_tokenizer(self) -> Any:
         return self._running_graph().tokenizer
@@ -142,8 +142,9 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         """Stream the outputs of one request until it finishes."""
         stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
                                         data_parallel_rank=data_parallel_rank)
-        async for out in self._follow(stream):
-            yield out
+        async with aclosing(self._follow(stream)) as outputs:  # closed with us: the abort runs at once
+            async for out in outputs:
+                yield out
 
     async def chat(self, messages: ChatMessages, sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, chat_template: str | None = None,
@@ -152,8 +153,9 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         stream = await self.add_request(None, sampling_params, request_id, messages=messages,
                                         chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                         priority=priority)
-        async for out in self._follow(stream):
-            yield out
+        async with aclosing(self._follow(stream)) as outputs:  # closed with us: the abort runs at once
+            async for out in outputs:
+                yield out
 
     async def _follow(self, stream: RequestStream) -> AsyncGenerator[RequestOutput]:
         finished = False

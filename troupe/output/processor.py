@@ -188,12 +188,13 @@ class OutputProcessor:
     # ------------------------------------------------------------ the hot loop
 
     def process_outputs(
-        self, outputs: Sequence[EngineCoreOutput], now: float | None = None
+        self, outputs: Sequence[EngineCoreOutput], now: float | None = None, engine_index: int | None = None
     ) -> ProcessedOutputs:
         """Turn engine outputs into user outputs.
 
         1. look up the request (unknown ids are skipped);
-        2. record timing and prefix-cache hits;
+        2. record timing, prefix-cache hits and the engine (`engine_index`, the engine that sent
+           `outputs`);
         3. detokenize and check stop strings; a match finishes the request with "stop" and the
            string as `stop_reason`, and lists it in `reqs_to_abort` unless the engine finished it;
         4. build the output for its output kind; an id seen twice in `outputs` gets one merged
@@ -214,6 +215,7 @@ class OutputProcessor:
             if new_ids:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
+                    metrics.engine_index = engine_index
                 metrics.last_token_time = now
                 metrics.num_generation_tokens += len(new_ids)
             if eco.num_cached_tokens:
@@ -233,6 +235,8 @@ class OutputProcessor:
                 if pending is not out:  # the same request twice in one list
                     pending.add(out, aggregate=state.output_kind is _DELTA)
             if finish_reason is not None:
+                if metrics.engine_index is None:
+                    metrics.engine_index = engine_index
                 self._free(state, now)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 

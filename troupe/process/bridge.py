@@ -9,6 +9,11 @@ Owns:     a zmq.asyncio context and one socket. Frontend: a ROUTER bound at the 
           to one engine identity (SNDHWM=0, so a message to a live engine is never dropped; one to
           an engine that is gone is dropped silently, and the process monitor reports the death).
           Engine: a DEALER connected to that address under its identity.
+Peers:    with `watch_connection=True` a ZMQ socket monitor sets `connected` when the peer's
+          connection is up and `disconnected` when it drops (the death signal of an engine on
+          another host, and of the frontend for a headless engine). tcp:// sockets send ZMTP
+          heartbeats, so a peer that vanishes without closing its connection (a host gone) is
+          noticed within `HEARTBEAT_TIMEOUT_MS`.
 Shutdown: leaving the context cancels both pumps, then closes the socket (linger=0), destroys the
           context (`destroy`, never `term`, which can block) and removes a bound ipc:// socket
           file. The end of the inbox ends the send pump only.
@@ -40,6 +45,8 @@ S = TypeVar("S")
 R = TypeVar("R")
 OnBadFrame = Callable[[Buffer, Exception], tuple[list[S], list[R]]]
 HWM = 64  # messages queued per direction before the sender waits (outputs are one per step)
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 class BridgeStats(NamedTuple):
@@ -55,7 +62,7 @@ def engine_identity(engine_index: int) -> bytes:
 class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
     def __init__(self, address: str, *, bind: bool, identity: bytes,
                  inbox: MemoryObjectReceiveStream[S], outbox: MemoryObjectSendStream[R],
-                 decoder: FrameDecoder[R], on_bad_frame: OnBadFrame[S, R]) -> None:
+                 decoder: FrameDecoder[R], on_bad_frame: OnBadFrame[S, R], watch_connection: bool = False) -> None:
         """`bind=True`: a ROUTER bound at `address` whose peer is `identity`; else a DEALER that
         connects to `address` as `identity`."""
         self._address = address
@@ -66,6 +73,11 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
         self._decoder = decoder
         self._encoder = FrameEncoder()
         self._on_bad_frame = on_bad_frame
+        self._watch = watch_connection
+        self.connected = anyio.Event()
+        self.disconnected = anyio.Event()
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_lock = anyio.Lock()
         self._prefix = [identity] if bind else []
         self._socket: zmq.asyncio.Socket | None = None
         self.endpoint = address  # the bound endpoint, with a "*" port resolved
@@ -78,9 +90,17 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
     async def __asynccontextmanager__(self) -> AsyncGenerator[Bridge[S, R]]:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER if self._bind else zmq.DEALER)
+        monitor: zmq.asyncio.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, HWM)
+            if self._address.startswith("tcp://"):
+                sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+            if self._watch:
+                monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+                self._monitor = monitor
             if self._bind:
                 sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops at its HWM: never for a live peer
                 sock.bind(self._address)
@@ -93,17 +113,45 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._send_pump)
                 tg.start_soon(self._recv_pump)
+                if monitor is not None:
+                    tg.start_soon(self._watch_peer)
                 try:
                     yield self
                 finally:
                     tg.cancel_scope.cancel()  # pumps first, socket after
         finally:
             self._socket = None
+            self._monitor = None
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
             ctx.destroy(linger=0)
             if self._bind and self.endpoint.startswith("ipc://"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.endpoint.removeprefix("ipc://"))
+
+    async def _watch_peer(self) -> None:
+        while True:
+            await self._peer_event()
+
+    async def _peer_event(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        assert self._monitor is not None
+        async with self._monitor_lock:  # the watcher, or `wait_disconnected` once it was cancelled
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            self.connected.set()
+        elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():
+            log.info("peer disconnected", endpoint=self.endpoint)
+            self.disconnected.set()
+
+    async def wait_disconnected(self) -> None:
+        """Until the peer's connection drops (`watch_connection=True`); also works after the
+        bridge's own tasks were cancelled (a graph shutting down), as long as the socket is open."""
+        while not self.disconnected.is_set() and self._monitor is not None:
+            await self._peer_event()
 
     async def send(self, msg: S) -> None:
         """Send one message now (alongside the pump; ZMQ keeps each multipart message whole)."""

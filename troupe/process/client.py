@@ -22,6 +22,15 @@ Start-up, `await tg.start(engine.run)`:
 
 Death: the monitor waits on the process sentinel, an fd that becomes readable when the child exits
 (no thread, no polling: noticed at once); an exit nobody asked for becomes `EngineDead` in the outbox.
+
+Remote (`remote=True`, a data-parallel rank started elsewhere with `troupe engine --connect`): no
+child. The ROUTER binds at `data_parallel_address` PORT + rank and waits (up to
+`engine_ready_timeout_s`) for the engine's hello, then sends it the configuration (`EngineStart`).
+The death signal is the connection dropping (a ZMQ socket monitor; TCP heartbeats catch a host that
+vanished); shutdown is `EngineShutdown` and a bounded wait for the connection to close — the engine's
+owner is whoever started it.
+
+Log lines the engine forwards (`EngineLog`) are written here through the frontend's logging.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from troupe.actors.engine_side import MakeCore
 from troupe.config import EngineConfig
 from troupe.errors import EngineStartupError
+from troupe.log import trace_enabled
 from troupe.messages import EngineCoreOutputs, EngineDead, EngineInput, EngineOutput, UtilityResult
 from troupe.process.bridge import Bridge, engine_identity
 from troupe.process.codec import FrameDecoder, reject_output
@@ -53,11 +63,14 @@ from troupe.process.launch import (
     describe_exit,
     engine_environment,
     private_address,
+    rank_address,
 )
+from troupe.process.logs import EngineLog, reemit
 from troupe.process.protocol import (
     EngineHello,
     EngineReady,
     EngineShutdown,
+    EngineStart,
     EngineStartupFailed,
     FromEngine,
     ToEngine,
@@ -81,7 +94,7 @@ class EngineProcessStats(NamedTuple):
 class EngineProcess:
     def __init__(self, config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
                  outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None,
-                 engine_index: int = 0) -> None:
+                 engine_index: int = 0, remote: bool = False) -> None:
         if make_core is not None:
             try:
                 if getattr(make_core, "__module__", None) == "__main__":
@@ -93,6 +106,7 @@ class EngineProcess:
                                  "multiprocess=False") from exc
         self.config = config
         self.engine_index = engine_index
+        self.remote = remote
         self._inbox = inbox
         self._outbox = outbox
         self._make_core = make_core
@@ -120,7 +134,8 @@ class EngineProcess:
                                   b.bad_frames if b else 0)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        structlog.contextvars.bind_contextvars(actor="engine_process", engine=self.engine_index)
+        structlog.contextvars.bind_contextvars(actor="remote_engine" if self.remote else "engine_process",
+                                               engine=self.engine_index)
         try:
             try:
                 await self._run(task_status)
@@ -135,22 +150,37 @@ class EngineProcess:
         from_wire_send, from_wire_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
         notify = from_wire_send.clone()  # the monitor's way in: after what the bridge delivered
         async with self._outbox, from_wire_send, from_wire_recv, notify:
-            with private_address(self.config, self.engine_index) as (address, ipc_dir):
+            with self._address() as (address, ipc_dir):
                 self._bridge = Bridge(address, bind=True, identity=engine_identity(self.engine_index),
                                       inbox=self._inbox, outbox=from_wire_send,
-                                      decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output)
+                                      decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output,
+                                      watch_connection=self.remote)
                 async with self._bridge as bridge:
-                    proc = self._spawn(connect_address(bridge.endpoint))
-                    self._pid = proc.pid
+                    proc = None if self.remote else self._spawn(connect_address(bridge.endpoint))
+                    if self.remote:
+                        log.info("waiting for a headless engine", address=bridge.endpoint)
                     try:
                         async with anyio.create_task_group() as tg:
-                            tg.start_soon(self._monitor, proc, notify)
-                            self._ready = await self._handshake(from_wire_recv, ipc_dir)
+                            if proc is not None:
+                                self._pid = proc.pid
+                                tg.start_soon(self._monitor, proc, notify)
+                            else:
+                                tg.start_soon(self._watch_connection, bridge, notify)
+                            self._ready = await self._handshake(from_wire_recv, ipc_dir, bridge)
                             task_status.started()
                             await self._relay(from_wire_recv)
                     finally:
                         with anyio.CancelScope(shield=True):
-                            await self._stop(proc, bridge)
+                            if proc is not None:
+                                await self._stop(proc, bridge)
+                            else:
+                                await self._stop_remote(bridge)
+
+    def _address(self) -> contextlib.AbstractContextManager[tuple[str, str | None]]:
+        if self.remote:
+            assert self.config.data_parallel_address is not None
+            return contextlib.nullcontext((rank_address(self.config.data_parallel_address, self.engine_index), None))
+        return private_address(self.config, self.engine_index)
 
     # ------------------------------------------------------------------ start-up
 
@@ -158,13 +188,15 @@ class EngineProcess:
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_process, name=f"troupe-engine-{self.engine_index}", daemon=True,
             kwargs=dict(config=self.config, address=address, engine_index=self.engine_index,
-                        parent_pid=os.getpid(), make_core=self._make_core))
+                        parent_pid=os.getpid(), make_core=self._make_core,
+                        log_level="trace" if trace_enabled() else None))
         with engine_environment(), bare_main():
             proc.start()
         log.info("engine process started", pid=proc.pid, address=address)
         return proc
 
-    async def _handshake(self, messages: MemoryObjectReceiveStream[FromEngine], ipc_dir: str | None) -> EngineReady:
+    async def _handshake(self, messages: MemoryObjectReceiveStream[FromEngine], ipc_dir: str | None,
+                         bridge: Bridge[ToEngine, FromEngine]) -> EngineReady:
         timeout = self.config.engine_ready_timeout_s
         with anyio.move_on_after(timeout) as deadline:
             async for msg in messages:
@@ -172,6 +204,12 @@ class EngineProcess:
                     case EngineHello():
                         if ipc_dir is not None:  # connected: the socket file has done its job
                             shutil.rmtree(ipc_dir, ignore_errors=True)
+                        if self.remote:
+                            log.info("headless engine connected", pid=msg.pid)
+                            self._listens = True
+                            await bridge.send(EngineStart(self.config))
+                    case EngineLog():
+                        reemit(msg)
                     case EngineReady():
                         self._listens = True
                         log.info("engine ready", pid=msg.pid, kv_blocks=msg.num_blocks)
@@ -197,6 +235,8 @@ class EngineProcess:
                     await self._outbox.send(msg)
                 case EngineStartupFailed():  # the monitor's word for an exit it saw before ready was read
                     await self._outbox.send(EngineDead(reason=msg.message, engine_index=self.engine_index))
+                case EngineLog():
+                    reemit(msg)
                 case EngineHello() | EngineReady():
                     raise RuntimeError(f"EngineCore sent {type(msg).__name__} after it was ready")
                 case _:
@@ -215,7 +255,29 @@ class EngineProcess:
             log.error("engine process died", pid=proc.pid, exitcode=proc.exitcode)
             await notify.send(EngineDead(reason=what, engine_index=self.engine_index))
 
+    async def _watch_connection(self, bridge: Bridge[ToEngine, FromEngine],
+                                notify: MemoryObjectSendStream[FromEngine]) -> None:
+        await bridge.disconnected.wait()
+        if self._stopping:
+            return
+        what = f"the connection to headless engine {self.engine_index} dropped"
+        if self._ready is None:
+            await notify.send(EngineStartupFailed(self.engine_index, "EngineDisconnected", what, ""))
+        else:
+            log.error("headless engine disconnected")
+            await notify.send(EngineDead(reason=what, engine_index=self.engine_index))
+
     # ------------------------------------------------------------------ shutdown
+
+    async def _stop_remote(self, bridge: Bridge[ToEngine, FromEngine]) -> None:
+        self._stopping = True
+        if self._listens and not bridge.disconnected.is_set():
+            with anyio.move_on_after(1.0), contextlib.suppress(anyio.ClosedResourceError):
+                await bridge.send(EngineShutdown())
+            with anyio.move_on_after(self.config.engine_shutdown_timeout_s):
+                await bridge.wait_disconnected()
+            log.info("headless engine stopped" if bridge.disconnected.is_set()
+                     else "headless engine did not close its connection in time")
 
     async def _stop(self, proc: BaseProcess, bridge: Bridge[ToEngine, FromEngine]) -> None:
         self._stopping = True

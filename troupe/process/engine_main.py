@@ -15,6 +15,12 @@ Shutdown: `EngineShutdown` from the frontend (the step in flight finishes, exit 
 4. Serve: frontend messages go to the actor's inbox while the actor steps in a worker thread, so
    socket I/O and decoding overlap the model step and aborts never wait for a step. After the actor
    reported `EngineDead`, inputs are dropped and the process waits for `EngineShutdown` (exit 1).
+
+Log lines go to the frontend over the same socket (troupe.process.logs), which writes them.
+
+`run_headless_engine` is the same engine started by hand (`troupe engine --connect`), possibly on
+another host: no parent to watch, so it exits when the frontend's connection drops; and it has no
+configuration of its own: the frontend sends it (`EngineStart`) after the hello.
 """
 
 from __future__ import annotations
@@ -25,22 +31,25 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, assert_never
+from typing import TYPE_CHECKING, NamedTuple, assert_never
 
 import anyio
+import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.actors.engine_side import MakeCore, build_core, ready_info
 from troupe.config import EngineConfig
 from troupe.errors import EngineStartupError
-from troupe.log import configure_logging
 from troupe.messages import AbortRequest, AddRequest, EngineInput, UtilityCall
 from troupe.process.bridge import Bridge, engine_identity
 from troupe.process.codec import FrameDecoder, reject_input
+from troupe.process.launch import rank_address
+from troupe.process.logs import ForwardToFrontend, configure_child_logging, log_channel, pump
 from troupe.process.protocol import (
     EngineHello,
     EngineShutdown,
+    EngineStart,
     EngineStartupFailed,
     FromEngine,
     ToEngine,
@@ -59,16 +68,49 @@ PR_SET_PDEATHSIG = 1
 
 
 def run_engine_process(*, config: EngineConfig, address: str, engine_index: int, parent_pid: int,
-                       make_core: MakeCore | None = None) -> None:
+                       make_core: MakeCore | None = None, log_level: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the frontend set it; in case torch is not loaded yet
-    configure_logging()
+    forward = configure_child_logging(log_level)
     structlog.contextvars.bind_contextvars(engine=engine_index, pid=os.getpid())
-    code = anyio.run(_serve, config, address, engine_index, make_core, backend="asyncio")
+    code = anyio.run(_serve, config, address, engine_index, make_core, forward, backend="asyncio")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # nothing left to clean up; interpreter teardown with torch loaded is slow
+
+
+def run_headless_engine(address: str, rank: int, *, num_threads: int | None = None,
+                        log_level: str | None = None, start_timeout_s: float | None = None,
+                        serve_forever: bool = False) -> int:
+    """`troupe engine --connect tcp://HOST:PORT --rank R`: an engine that joins a frontend.
+
+    Connects to PORT + R on HOST (the frontend listens on one port per rank from
+    `data_parallel_address`), says hello, waits for the frontend's configuration (`EngineStart`;
+    `num_threads` here overrides its thread count), then serves it like a spawned engine. Returns
+    the exit code: 0 after the frontend's `EngineShutdown`, 1 if the engine failed, 3 if the
+    frontend went away (its connection dropped) or sent nothing within `start_timeout_s`.
+
+    `serve_forever`: after a frontend leaves (shutdown, failure or a dropped connection), wait for
+    the next one, with a fresh EngineCore (its configuration may differ); only a signal stops it.
+    """
+    target = rank_address(address, rank)  # a bad address fails before anything is set up
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    forward = configure_child_logging(log_level)
+    structlog.contextvars.bind_contextvars(engine=rank, pid=os.getpid())
+    headless = _Headless(num_threads, start_timeout_s, serve_forever)
+    while True:
+        log.info("headless engine connecting", address=target)
+        code = anyio.run(_serve, None, target, rank, None, forward, headless, backend="asyncio")
+        if not serve_forever:
+            return code
+        log.info("frontend session over: waiting for the next one", exit_code=code)
+
+
+class _Headless(NamedTuple):
+    num_threads: int | None
+    start_timeout_s: float | None
+    serve_forever: bool = False
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -88,33 +130,98 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(EXIT_PARENT_GONE)
 
 
-def _build(config: EngineConfig, make_core: MakeCore | None) -> EngineCore:
+def default_threads(config: EngineConfig) -> int:
+    """Torch threads of one engine when `num_threads` is not set: this host's cores shared by the
+    engines it runs (at least one each)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, config.num_local_engines))
+
+
+def _build(config: EngineConfig, make_core: MakeCore | None, engine_index: int) -> EngineCore:
     import torch
 
-    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
-    return build_core(config, make_core)
+    torch.set_num_threads(config.num_threads or default_threads(config))
+    return build_core(config, make_core, engine_index)
 
 
-async def _serve(config: EngineConfig, address: str, engine_index: int, make_core: MakeCore | None) -> int:
+async def _serve(config: EngineConfig | None, address: str, engine_index: int, make_core: MakeCore | None,
+                 forward: ForwardToFrontend, headless: _Headless | None = None) -> int:
     to_wire_send, to_wire_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
     from_wire_send, from_wire_recv = anyio.create_memory_object_stream[ToEngine](STREAM_BUFFER)
     bridge = Bridge(address, bind=False, identity=engine_identity(engine_index), inbox=to_wire_recv,
-                    outbox=from_wire_send, decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input)
-    async with bridge, to_wire_send, from_wire_recv:
-        await to_wire_send.send(EngineHello(engine_index, os.getpid()))
+                    outbox=from_wire_send, decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input,
+                    watch_connection=headless is not None)
+    log_send, log_recv = log_channel()
+    watch = anyio.CancelScope()
+    async with bridge, to_wire_send, from_wire_recv, anyio.create_task_group() as tg:
+        tg.start_soon(pump, log_recv, to_wire_send.clone().send)
+        forward.attach(log_send)
         try:
-            core = await anyio.to_thread.run_sync(_build, config, make_core)
-        except EngineStartupError as exc:
-            log.error("engine start-up failed", error=f"{exc.cause_type}: {exc.cause_message}")
-            await to_wire_send.send(EngineStartupFailed(engine_index, exc.cause_type, exc.cause_message,
-                                                        exc.engine_traceback))
-            with anyio.move_on_after(SHUTDOWN_WAIT_S):
-                async for msg in from_wire_recv:
-                    if isinstance(msg, EngineShutdown):
-                        break
-            return EXIT_FAILED
-        await to_wire_send.send(ready_info(core, engine_index))
-        return await _run_engine(core, engine_index, to_wire_send, from_wire_recv)
+            await to_wire_send.send(EngineHello(engine_index, os.getpid()))
+            if headless is not None:
+                tg.start_soon(_exit_when_frontend_leaves, bridge, watch,
+                              tg.cancel_scope if headless.serve_forever else None)
+                config = await _await_config(from_wire_recv, headless)
+                if config is None:
+                    return EXIT_PARENT_GONE
+            assert config is not None
+            return await _build_and_run(config, engine_index, make_core, to_wire_send, from_wire_recv)
+        finally:
+            watch.cancel()  # leaving by design from here on
+            forward.detach()
+            log_send.close()  # the pump sends what is queued, then ends
+    return EXIT_PARENT_GONE  # reached only when the session was cancelled: the frontend went away
+
+
+async def _build_and_run(config: EngineConfig, engine_index: int, make_core: MakeCore | None,
+                         to_wire_send: MemoryObjectSendStream[FromEngine],
+                         from_wire_recv: MemoryObjectReceiveStream[ToEngine]) -> int:
+    try:
+        core = await anyio.to_thread.run_sync(_build, config, make_core, engine_index)
+    except EngineStartupError as exc:
+        log.error("engine start-up failed", error=f"{exc.cause_type}: {exc.cause_message}")
+        await to_wire_send.send(EngineStartupFailed(engine_index, exc.cause_type, exc.cause_message,
+                                                    exc.engine_traceback))
+        with anyio.move_on_after(SHUTDOWN_WAIT_S):
+            async for msg in from_wire_recv:
+                if isinstance(msg, EngineShutdown):
+                    break
+        return EXIT_FAILED
+    await to_wire_send.send(ready_info(core, engine_index))
+    return await _run_engine(core, engine_index, to_wire_send, from_wire_recv)
+
+
+async def _await_config(inbox: MemoryObjectReceiveStream[ToEngine], headless: _Headless) -> EngineConfig | None:
+    with anyio.move_on_after(headless.start_timeout_s):
+        async for msg in inbox:
+            match msg:
+                case EngineStart():
+                    config = msg.config
+                    if headless.num_threads is not None:
+                        config = msgspec.structs.replace(config, num_threads=headless.num_threads)
+                    elif config.num_threads is None:  # alone on its host: all its cores
+                        config = msgspec.structs.replace(config, num_threads=len(os.sched_getaffinity(0)))
+                    log.info("configuration received", model=config.model)
+                    return config
+                case EngineShutdown():
+                    return None
+                case _:
+                    log.warning("message before the configuration ignored", type=type(msg).__name__)
+    log.error("no configuration from the frontend", within_s=headless.start_timeout_s)
+    return None
+
+
+async def _exit_when_frontend_leaves(bridge: Bridge[FromEngine, ToEngine], scope: anyio.CancelScope,
+                                     session: anyio.CancelScope | None) -> None:
+    """The frontend's connection dropped: exit (as a spawned engine does when its parent dies), or
+    with `serve_forever` end this session (`session`: its scope)."""
+    with scope:
+        await bridge.disconnected.wait()
+        if session is not None:
+            log.warning("the frontend went away: ending the session")
+            session.cancel()
+            return
+        print("troupe engine: the frontend went away (its connection dropped): exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_PARENT_GONE)
 
 
 async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectSendStream[FromEngine],
@@ -133,6 +240,8 @@ async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectS
                     case AddRequest() | AbortRequest() | UtilityCall():
                         with contextlib.suppress(anyio.BrokenResourceError):  # a dead engine takes nothing
                             await engine_send.send(msg)
+                    case EngineStart():
+                        log.warning("EngineStart after start-up ignored")
                     case _:
                         assert_never(msg)
         tg.cancel_scope.cancel()  # the step in flight finishes first

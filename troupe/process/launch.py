@@ -1,7 +1,9 @@
 """How an engine process is launched: its address, its environment, and how its exit reads.
 
 - `private_address`: ipc:// in a fresh private dir (mode 0700, `tempfile.mkdtemp`), removed on the
-  way out; or `engine_address` as configured (tcp:// for engines on other hosts later).
+  way out; or `engine_address` as configured (tcp://; engine i of several gets PORT + i).
+- `rank_address`: where a headless engine of rank r meets the frontend (`data_parallel_address`
+  PORT + r).
 - `connect_address`: where a local child connects to the bound endpoint (a wildcard host is this one).
 - `bare_main` and `engine_environment`: the few milliseconds around `Process.start()`.
 - `describe_exit`: an exit code in words ("was killed by SIGKILL").
@@ -37,7 +39,11 @@ def describe_exit(code: int | None) -> str:
 def private_address(config: EngineConfig, engine_index: int) -> Iterator[tuple[str, str | None]]:
     """`engine_address` as given, or ipc:// in a fresh private dir that is removed on the way out."""
     if config.engine_address is not None:
-        yield config.engine_address, None
+        address = config.engine_address
+        host, _, port = address.rpartition(":")
+        if engine_index and port.isdigit():  # one port per engine: PORT + index
+            address = f"{host}:{int(port) + engine_index}"
+        yield address, None
         return
     ipc_dir = tempfile.mkdtemp(prefix="troupe-", dir=config.ipc_dir)
     try:
@@ -48,6 +54,18 @@ def private_address(config: EngineConfig, engine_index: int) -> Iterator[tuple[s
         yield f"ipc://{path}", ipc_dir
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def rank_address(address: str, rank: int) -> str:
+    """tcp://HOST:PORT -> tcp://HOST:(PORT + rank): where data-parallel rank `rank` meets the frontend."""
+    if not address.startswith("tcp://") or ":" not in address.removeprefix("tcp://"):
+        raise ValueError(f"address: must be tcp://HOST:PORT, got {address!r}")
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"address: the port must be a number, got {port!r} in {address!r}")
+    if not 0 < int(port) + rank < 65536:
+        raise ValueError(f"address: port {port} + rank {rank} is not a valid port")
+    return f"{host}:{int(port) + rank}"
 
 
 def connect_address(endpoint: str) -> str:

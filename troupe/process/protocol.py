@@ -6,6 +6,9 @@ they are. The process adds, on the same socket:
 - engine -> frontend: `EngineHello` as soon as the engine's socket is connected (before torch is
   imported), then exactly one of `EngineReady` (what the frontend needs: limits, model path, KV
   blocks) or `EngineStartupFailed` (the root cause and its traceback text);
+- engine -> frontend, any time: `EngineLog`, a log line for the frontend to write (troupe.process.logs);
+- frontend -> engine: `EngineStart` (the configuration), only to a headless engine (`troupe engine
+  --connect`), which has none of its own: after its `EngineHello`;
 - frontend -> engine: `EngineShutdown` (finish the step in flight, then exit). After
   `EngineStartupFailed` or `EngineDead` the engine waits for it before exiting, so that its last
   message is never lost to `linger=0`.
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import msgspec
 
+from troupe.config import EngineConfig
 from troupe.inputs import ModelLimits
 from troupe.messages import EngineInput, EngineOutput
+from troupe.process.logs import EngineLog
 
 
 class EngineHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
@@ -45,9 +50,13 @@ class EngineStartupFailed(msgspec.Struct, frozen=True, tag="startup_failed", arr
     traceback: str
 
 
+class EngineStart(msgspec.Struct, frozen=True, tag="start", array_like=True):
+    config: EngineConfig
+
+
 class EngineShutdown(msgspec.Struct, frozen=True, tag="shutdown", array_like=True):
     pass
 
 
-ToEngine = EngineInput | EngineShutdown
-FromEngine = EngineOutput | EngineHello | EngineReady | EngineStartupFailed
+ToEngine = EngineInput | EngineStart | EngineShutdown
+FromEngine = EngineOutput | EngineHello | EngineReady | EngineStartupFailed | EngineLog

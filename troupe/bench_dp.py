@@ -1,0 +1,138 @@
+"""`python -m troupe.bench_dp`: data parallelism on this machine, and where the frontend stops scaling.
+
+- `offline`: the offline workload of `troupe.bench` (64 prompts of 20..400 tokens, 128 new tokens,
+  greedy, ignore_eos) through `LLM.generate` on the default model, with 1 engine x `--threads`
+  torch threads against `--dp` engines x (`--threads` / `--dp`) threads each, same total cores. Both
+  groups stay up and alternate run by run (fairer on a noisy machine); prints the median output
+  tokens/s of each and their ratio.
+- `null`: null-model engines (no weights, no compute: a fixed token per step) at N = 1, 2, 4, 8
+  (`--sizes`); `--requests` streaming requests (`--concurrency` at a time) of `--null-tokens` tokens
+  through one `AsyncLLM` + the DP balancer. Prints requests/s and output tokens/s per N: with the
+  engines free, this is the ceiling of the frontend (input processor, balancer, output handler) and
+  of its ZMQ links, i.e. where adding engines stops paying.
+
+Each figure is the median of `--repeats` runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+
+def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
+    from troupe import LLM, SamplingParams
+    from troupe.bench import make_prompts
+
+    base = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
+                enable_prefix_caching=False, log_stats_interval_s=None)
+    groups = {
+        f"1 x {args.threads} threads": LLM(**base, num_threads=args.threads),
+        f"{args.dp} x {max(1, args.threads // args.dp)} threads": LLM(**base, data_parallel_size=args.dp,
+                                                                       num_threads=max(1, args.threads // args.dp)),
+    }
+    try:
+        prompts = make_prompts(next(iter(groups.values())).get_tokenizer(), args.num_prompts, 20, 400)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        jobs = [{"prompt_token_ids": p} for p in prompts]
+        warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for llm in groups.values():
+            llm.generate(jobs[:8], warm_up, use_tqdm=False)
+        runs: dict[str, list[float]] = {name: [] for name in groups}
+        for r in range(args.repeats):
+            for name, llm in groups.items():
+                t = time.perf_counter()
+                outs = llm.generate(jobs, params, use_tqdm=False)
+                rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+                runs[name].append(rate)
+                print(f"  offline {name:<20} run {r}: {rate:8.1f} output tok/s", file=sys.stderr)
+        return runs
+    finally:
+        for llm in groups.values():
+            llm.close()
+
+
+async def _null_run(llm: Any, requests: int, concurrency: int, tokens: int) -> tuple[float, float]:
+    from troupe import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    produced = 0
+    limit = anyio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        nonlocal produced
+        async with limit:
+            async for out in llm.generate(f"Request number {i}: tell me everything.", params):
+                produced += len(out.outputs[0].token_ids)
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(requests):
+            tg.start_soon(one, i)
+    elapsed = time.perf_counter() - t
+    assert produced == requests * tokens
+    return requests / elapsed, produced / elapsed
+
+
+async def bench_null(args: argparse.Namespace) -> dict[int, tuple[list[float], list[float]]]:
+    from troupe import AsyncLLM
+
+    results: dict[int, tuple[list[float], list[float]]] = {}
+    for n in (int(s) for s in args.sizes.split(",")):
+        async with AsyncLLM(args.model, null_model=True, data_parallel_size=n, num_threads=1,
+                            max_num_seqs=args.concurrency, max_num_batched_tokens=max(1024, 16 * args.concurrency),
+                            log_stats_interval_s=None) as llm:
+            reqs, toks = [], []
+            for r in range(args.repeats + 1):
+                rps, tps = await _null_run(llm, args.requests, args.concurrency, args.null_tokens)
+                if r:
+                    reqs.append(rps)
+                    toks.append(tps)
+                print(f"  null N={n} run {r}: {rps:8.1f} req/s {tps:9.1f} output tok/s{'' if r else ' (warm-up)'}",
+                      file=sys.stderr)
+            results[n] = (reqs, toks)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m troupe.bench_dp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("which", nargs="?", default="all", choices=["all", "offline", "null"])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=2, help="total torch threads (offline)")
+    p.add_argument("--dp", type=int, default=2, help="engines of the data-parallel group (offline)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sizes", default="1,2,4,8", help="engine counts (null)")
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--null-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    if args.which in ("all", "offline"):
+        runs = bench_offline(args)
+        med = {name: statistics.median(v) for name, v in runs.items()}
+        print(f"offline, default model, {args.num_prompts} prompts x {args.max_tokens} tokens "
+              f"(median of {args.repeats}):")
+        for name, value in med.items():
+            print(f"  {name:<20} {value:8.1f} output tok/s  ({min(runs[name]):.1f}..{max(runs[name]):.1f})")
+        a, b = med.values()
+        print(f"  data parallel / single engine: {b / a:.3f}")
+    if args.which in ("all", "null"):
+        results = anyio.run(bench_null, args)
+        print(f"null-model engines, {args.requests} requests x {args.null_tokens} tokens, "
+              f"{args.concurrency} at a time (median of {args.repeats}):")
+        for n, (reqs, toks) in results.items():
+            print(f"  N={n}: {statistics.median(reqs):8.1f} req/s  {statistics.median(toks):9.1f} output tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
