@@ -117,7 +117,7 @@ class DPBalancer(anyio.AsyncContextManagerMixin):
             tg.cancel_scope.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        structlog.contextvars.bind_contextvars(actor="balancer")
+        structlog.contextvars.bind_contextvars(actor="dp_balancer")
         try:
             task_status.started()
             async with anyio.create_task_group() as tg:
