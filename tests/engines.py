@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 
 INFRASTRUCTURE_PIDS: set[int] = set()  # processes a fixture owns for the whole session (not leaks)
+POOL_PIDS: dict[str, list[int]] = {}  # address -> the pids of the headless engines serving it, by rank
 
 
 def free_port_pair() -> int:
@@ -36,9 +37,11 @@ def headless_engines(n: int, *extra: str, first_rank: int = 0) -> Iterator[str]:
     procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "engine", "--connect", address, "--rank", str(first_rank + r),
                                "--num-threads", "1", "--serve-forever", *extra]) for r in range(n)]
     INFRASTRUCTURE_PIDS.update(p.pid for p in procs)
+    POOL_PIDS[address] = [p.pid for p in procs]
     try:
         yield address
     finally:
+        POOL_PIDS.pop(address, None)
         for p in procs:
             p.kill()
         for p in procs:

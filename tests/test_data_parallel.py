@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from engines import INFRASTRUCTURE_PIDS, free_port_pair, headless_engines
+from engines import POOL_PIDS, free_port_pair, headless_engines
 
 from troupe import AsyncLLM, EngineDeadError, InvalidInputError, SamplingParams
 from troupe.actors.dp_balancer import DPBalancer, aggregate_stats, combine_results
@@ -292,8 +292,7 @@ async def test_headless_engine_disconnect_is_engine_death(tiny_llama: Path, ipc_
             stream = await llm.add_request("go " * 8, greedy(100_000), "remote", data_parallel_rank=1)
             with anyio.fail_after(30):
                 await stream.get()
-            # the pool's only process: find it as the child of this test that is not a local engine
-            [remote_pid] = [p for p in INFRASTRUCTURE_PIDS if p not in llm.engine_pids][-1:]
+            [remote_pid] = POOL_PIDS[address]
             os.kill(remote_pid, signal.SIGKILL)
             with anyio.fail_after(10), pytest.raises(EngineDeadError, match="headless engine 1"):
                 while True:
