@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from troupe.kernels import attention
-from troupe.kernels.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from troupe.kernels.attention import AttentionMetadata, DecodeRows, paged_attention, paged_attention_reference
 
 torch.set_num_threads(1)
 
@@ -101,3 +101,48 @@ def test_bfloat16_matches_reference_within_bf16_precision():
     ref = paged_attention_reference(q, k, v, kc_ref, vc_ref, clone_meta(meta), 32**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
     assert torch.equal(kc, kc_ref)
+
+
+def _rows_for(meta: AttentionMetadata, kc, vc, rows: list[int], prefilled: list[bool], length: int, seed: int):
+    """A row cache of 2 layers (random garbage, so a wrong read shows) holding the decodes of `meta` at
+    `rows`; a decode marked prefilled already holds its context but its new token, the others are refilled."""
+    g = torch.Generator().manual_seed(seed)
+    _, BS, KVH, D = kc.shape
+    shape = (max(rows) + 2, KVH, length, D)
+    k_rows = [torch.randn(shape, generator=g) for _ in range(2)]
+    v_rows = [torch.randn(shape, generator=g) for _ in range(2)]
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    dec = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    dec_lens, refills = [lens[s] for s in dec], []
+    for s, row, pre, n in zip(dec, rows, prefilled, dec_lens, strict=True):
+        blocks = meta.block_tables[s, : -(-n // BS)]
+        if pre:
+            for cache, pool in ((k_rows[1], kc), (v_rows[1], vc)):
+                cache[row, :, : n - 1] = pool[blocks].view(-1, KVH, D)[: n - 1].transpose(0, 1)
+        else:
+            refills.append((row, blocks, n))
+    return DecodeRows.build(k_rows, v_rows, meta.query_start_loc[dec], rows, dec_lens, refills)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "prefilled"), [([0, 1, 2, 3], [False] * 4), ([5, 0, 3, 2], [True, False, True, True])])
+def test_decode_rows_match_reference(rows, prefilled, dtype):
+    """With a row cache, decodes read their context from their rows (refilled from the pool when new,
+    holding all but the new token otherwise; unused rows hold garbage) and give the reference's outputs;
+    afterwards each row holds the decode's whole context, as the pool does."""
+    q, k, v, kc, vc, meta = make_batch(MIXED, 4, 3, 9, 16, torch.float32, seed=5)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    meta.rows = _rows_for(meta, kc, vc, rows, prefilled, length=40, seed=6)
+    meta.rows.k[1], meta.rows.v[1] = meta.rows.k[1].to(dtype), meta.rows.v[1].to(dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out = paged_attention(q, k, v, kc, vc, meta, 0.25, layer=1)
+    ref = paged_attention_reference(q, k, v, kc_ref, vc_ref, clone_meta(meta), 0.25)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    dec = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    for s, row in zip(dec, rows, strict=True):
+        ctx = kc[meta.block_tables[s]].view(-1, 3, 16)[: lens[s]].transpose(0, 1)  # (KVH, ctx, D)
+        assert torch.equal(meta.rows.k[1][row, :, : lens[s]], ctx)

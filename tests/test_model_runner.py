@@ -112,6 +112,36 @@ def test_chunked_prefill_and_decode_match_transformers(tiny_models, arch, block_
     assert done == [len(s) for s in SEQS] and compared == 20
 
 
+@pytest.mark.parametrize("row_cache_bytes", [None, 0])
+def test_decode_row_cache_keeps_rows_only_across_consecutive_decodes(tiny_models, row_cache_bytes):
+    """Decodes get rows in the row cache: a request keeps its row while it decodes step after step, loses
+    it when a step skips it (its row goes to a newcomer, refilled from the pool), and logits stay
+    transformers' throughout; with no budget for the cache (0 bytes) decodes gather from the pool instead,
+    with the same logits."""
+    folder, ref = tiny_models["llama"]
+    runner = runner_for(folder, 4)
+    if row_cache_bytes is not None:
+        runner.row_cache_bytes = row_cache_bytes
+    blocks = BlockTables(runner.num_blocks, 4, seed=3)
+    tables = [blocks.grow([], len(s)) for s in SEQS]
+    runner.execute([ScheduledSeq(str(i), SEQS[i][:2], 0, tables[i], True) for i in range(4)])
+    done = [2, 2, 2, 2]
+    for decoding in ([0, 1, 3], [0, 1, 3], [0, 3], [2, 0, 1, 3], [0, 1, 3]):
+        seqs = [ScheduledSeq(str(i), [SEQS[i][done[i]]], done[i], tables[i], True) for i in decoding]
+        logits = runner.execute(seqs)
+        torch.testing.assert_close(logits, torch.stack([ref[i][done[i]] for i in decoding]), atol=1e-4, rtol=1e-4)
+        for i in decoding:
+            done[i] += 1
+        if row_cache_bytes == 0:
+            assert runner._row_of == {} and runner._row_k == []
+            continue
+        assert sorted(runner._row_of) == sorted(str(i) for i in decoding)
+        assert all(held == done[int(r)] for r, (_, held) in runner._row_of.items())
+    if row_cache_bytes is None:
+        rows = {r: row for r, (row, _) in runner._row_of.items()}
+        assert rows == {"0": 0, "3": 2, "1": 3}  # 0 and 3 kept theirs since the first decode; 1 came back
+
+
 def test_shared_prefix_blocks_are_reused(tiny_models):
     """A sequence whose first blocks are another's cached blocks (prefix caching) computes only its
     remaining tokens and still gets transformers' logits; the owner's later decode is unaffected."""

@@ -43,6 +43,11 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def peak_child_rss_gib() -> float:
+    """The largest peak RSS of the ended child processes (the engine process, once stopped)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+
+
 def bench_troupe(args: argparse.Namespace) -> dict[str, Any]:
     from troupe import LLM, SamplingParams
     from troupe.config import EngineConfig
@@ -66,8 +71,12 @@ def bench_troupe(args: argparse.Namespace) -> dict[str, Any]:
             graph_runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
     finally:
         llm.close()
+    engine_rss = peak_child_rss_gib() if args.multiprocess else None
+    core_runs: list[float] = []
+    if args.skip_core:
+        return {"startup_s": startup, "graph_tok_s": statistics.median(graph_runs), "core_tok_s": None,
+                "peak_rss_gib": peak_rss_gib(), "engine_rss_gib": engine_rss}
     core = EngineCore(EngineConfig(**opts))  # type: ignore[arg-type]
-    core_runs = []
     for r in range(args.repeats):
         t = time.perf_counter()
         for i, p in enumerate(prompts):
@@ -77,7 +86,7 @@ def bench_troupe(args: argparse.Namespace) -> dict[str, Any]:
             produced += sum(len(o.new_token_ids) for o in core.step().outputs)
         core_runs.append(produced / (time.perf_counter() - t))
     return {"startup_s": startup, "graph_tok_s": statistics.median(graph_runs),
-            "core_tok_s": statistics.median(core_runs), "peak_rss_gib": peak_rss_gib()}
+            "core_tok_s": statistics.median(core_runs), "peak_rss_gib": peak_rss_gib(), "engine_rss_gib": engine_rss}
 
 
 def bench_hf(args: argparse.Namespace, batch_sizes: Sequence[int]) -> dict[int, float]:
@@ -130,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--hf-batch-sizes", default="16,64")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-core", action="store_true", help="skip the bare EngineCore loop (quicker)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=True,
                       help="the EngineCore in its own process (the default)")
@@ -140,10 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = bench_troupe(args)
     print(f"engine: {'its own process' if args.multiprocess else 'in-process'}")
     print(f"troupe start-up (constructor to ready): {res['startup_s']:.2f} s")
-    print(f"troupe peak memory (RSS):               {res['peak_rss_gib']:.2f} GiB")
+    print(f"troupe peak memory (RSS):               {res['peak_rss_gib']:.2f} GiB (this process)")
+    if res["engine_rss_gib"] is not None:
+        print(f"troupe engine process peak RSS:         {res['engine_rss_gib']:.2f} GiB")
     print(f"troupe LLM.generate (actor graph):      {res['graph_tok_s']:.1f} output tok/s")
-    print(f"troupe bare EngineCore loop:            {res['core_tok_s']:.1f} output tok/s")
-    print(f"  LLM.generate / bare EngineCore:       {res['graph_tok_s'] / res['core_tok_s']:.3f}")
+    if res["core_tok_s"] is not None:
+        print(f"troupe bare EngineCore loop:            {res['core_tok_s']:.1f} output tok/s")
+        print(f"  LLM.generate / bare EngineCore:       {res['graph_tok_s'] / res['core_tok_s']:.3f}")
     if not args.skip_hf:
         hf = bench_hf(args, [int(b) for b in args.hf_batch_sizes.split(",")])
         for bs, v in hf.items():

@@ -22,6 +22,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
+    decode_row_cache_bytes: int | None = None  # decode attention's contiguous K/V rows; None: 2x the pool; 0: off
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -58,6 +59,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise InvalidInputError("kv_cache_memory_bytes", f"must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.decode_row_cache_bytes is not None and self.decode_row_cache_bytes < 0:
+            raise InvalidInputError("decode_row_cache_bytes", f"must be >= 0, got {self.decode_row_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidInputError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads < 1:

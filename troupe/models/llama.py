@@ -61,10 +61,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         h, f, qkv = arch.hidden_size, arch.intermediate_size, arch.q_size + 2 * arch.kv_size
         self.arch = arch
+        self.index = index  # which layer: picks its tensors in a decode row cache
         self.scale = arch.head_dim**-0.5
         self.input_norm = _param(h, dtype=dtype)
         self.post_norm = _param(h, dtype=dtype)
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)  # (T, H, D)
         k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)  # (T, KVH, D)
         v = v.reshape(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, H, D)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.index)  # (T, H, D)
         x = x + F.linear(o.view(T, a.q_size), self.o_w, self.o_b)  # (T, hidden)
         h = F.rms_norm(x, (a.hidden_size,), self.post_norm, eps)  # (T, hidden)
         gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # (T, f) each
@@ -106,7 +107,7 @@ class LlamaModel(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, i) for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dtype)
         self.lm_head = (
             self.embed if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
