@@ -62,3 +62,13 @@ class EngineHungError(RuntimeError):
                          f"request(s) wait (engine_hang_timeout_s={timeout_s:g}); it was not stopped")
         self.stalled_s = stalled_s
         self.waiting = waiting
+
+
+def first_startup_error(group: BaseExceptionGroup[EngineStartupError]) -> EngineStartupError:
+    """The first `EngineStartupError` inside (nested) groups: what a failed start-up raises, whatever
+    task groups it crossed on its way out."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, EngineStartupError)
+    return exc

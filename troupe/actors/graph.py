@@ -44,7 +44,7 @@ from troupe.actors.input_processor import FrontendInput, InputProcessor
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
 from troupe.config import EngineConfig
-from troupe.errors import EngineStartupError
+from troupe.errors import EngineStartupError, first_startup_error
 from troupe.inputs import ModelLimits
 from troupe.messages import EngineInput, EngineOutput, SchedulerStats
 from troupe.models.loader import load_tokenizer, resolve_model_path
@@ -158,7 +158,7 @@ class Graph(anyio.AsyncContextManagerMixin):
                 for rank, side in enumerate(self.engines):
                     starting.start_soon(start, rank, side)
         except* EngineStartupError as group:
-            raise _first_leaf(group) from None
+            raise first_startup_error(group) from None
 
     async def _supervised(self, name: str, run: Callable[..., Awaitable[None]], *,
                           task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -245,14 +245,6 @@ def _group_limits(readies: list[EngineReady]) -> ModelLimits:
     capacities = [r.limits.kv_capacity_tokens for r in readies if r.limits.kv_capacity_tokens is not None]
     return dataclasses.replace(first, data_parallel_size=len(readies),
                                kv_capacity_tokens=min(capacities) if capacities else None)
-
-
-def _first_leaf(group: BaseExceptionGroup[EngineStartupError]) -> EngineStartupError:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, EngineStartupError)
-    return exc
 
 
 def _resolve_and_load(model: str) -> tuple[str, Any]:

@@ -51,7 +51,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from troupe.actors.engine_side import MakeCore
 from troupe.config import EngineConfig
-from troupe.errors import EngineStartupError
+from troupe.errors import EngineStartupError, first_startup_error
 from troupe.log import trace_enabled
 from troupe.messages import EngineCoreOutputs, EngineDead, EngineInput, EngineOutput, UtilityResult
 from troupe.process.bridge import Bridge, engine_identity
@@ -140,7 +140,7 @@ class EngineProcess:
             try:
                 await self._run(task_status)
             except* EngineStartupError as group:  # it crossed task groups on its way out
-                raise _leaf(group) from None
+                raise first_startup_error(group) from None
         except Exception as exc:  # before ready, whatever failed (a bind, a spawn) failed the start-up
             if self._ready is not None or isinstance(exc, EngineStartupError):
                 raise
@@ -307,11 +307,3 @@ async def _wait_exit(proc: BaseProcess, within_s: float) -> bool:
         await anyio.wait_readable(proc.sentinel)
         await anyio.to_thread.run_sync(proc.join, KILL_WAIT_S)
     return proc.exitcode is not None
-
-
-def _leaf(group: BaseExceptionGroup[EngineStartupError]) -> EngineStartupError:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, EngineStartupError)
-    return exc
