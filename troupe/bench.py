@@ -39,6 +39,56 @@ def make_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int = 0) -> lis
     return prompts
 
 
+def alternate_offline(groups: dict[str, Any], *, num_prompts: int, max_tokens: int, repeats: int,
+                      label: str = "offline") -> dict[str, list[float]]:
+    """Output tok/s of each `LLM` in `groups` on this workload (`num_prompts` prompts of 20..400
+    tokens, `max_tokens` new tokens, greedy, ignore_eos), after a short warm-up; the groups take turns
+    run by run, so that each round sees about the same machine load."""
+    from troupe import SamplingParams
+
+    prompts = make_prompts(next(iter(groups.values())).get_tokenizer(), num_prompts, 20, 400)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    jobs = [{"prompt_token_ids": p} for p in prompts]
+    warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for llm in groups.values():  # first calls (allocations, lazy inits) out of the measured runs
+        llm.generate(jobs[:8], warm_up, use_tqdm=False)
+    runs: dict[str, list[float]] = {name: [] for name in groups}
+    for r in range(repeats):
+        for name, llm in groups.items():
+            t = time.perf_counter()
+            outs = llm.generate(jobs, params, use_tqdm=False)
+            rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+            runs[name].append(rate)
+            print(f"  {label} {name:<20} run {r}: {rate:8.1f} output tok/s", file=sys.stderr)
+    return runs
+
+
+async def stream_requests(llm: Any, requests: int, concurrency: int, tokens: int) -> tuple[float, float]:
+    """`requests` streaming (DELTA) requests of `tokens` tokens, `concurrency` at a time, through an
+    `AsyncLLM`: (requests/s, output tokens/s)."""
+    import anyio
+
+    from troupe import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    produced = 0
+    limit = anyio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        nonlocal produced
+        async with limit:
+            async for out in llm.generate(f"Request number {i}: tell me everything.", params):
+                produced += len(out.outputs[0].token_ids)
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(requests):
+            tg.start_soon(one, i)
+    elapsed = time.perf_counter() - t
+    assert produced == requests * tokens
+    return requests / elapsed, produced / elapsed
+
+
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 

@@ -19,69 +19,33 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
 
 import anyio
 
 
 def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
-    from troupe import LLM, SamplingParams
-    from troupe.bench import make_prompts
+    from troupe import LLM
+    from troupe.bench import alternate_offline
 
     base = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
                 enable_prefix_caching=False, log_stats_interval_s=None)
+    split = max(1, args.threads // args.dp)
     groups = {
         f"1 x {args.threads} threads": LLM(**base, num_threads=args.threads),
-        f"{args.dp} x {max(1, args.threads // args.dp)} threads": LLM(**base, data_parallel_size=args.dp,
-                                                                       num_threads=max(1, args.threads // args.dp)),
+        f"{args.dp} x {split} threads": LLM(**base, data_parallel_size=args.dp, num_threads=split),
     }
     try:
-        prompts = make_prompts(next(iter(groups.values())).get_tokenizer(), args.num_prompts, 20, 400)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        jobs = [{"prompt_token_ids": p} for p in prompts]
-        warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        for llm in groups.values():
-            llm.generate(jobs[:8], warm_up, use_tqdm=False)
-        runs: dict[str, list[float]] = {name: [] for name in groups}
-        for r in range(args.repeats):
-            for name, llm in groups.items():
-                t = time.perf_counter()
-                outs = llm.generate(jobs, params, use_tqdm=False)
-                rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
-                runs[name].append(rate)
-                print(f"  offline {name:<20} run {r}: {rate:8.1f} output tok/s", file=sys.stderr)
-        return runs
+        return alternate_offline(groups, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                                 repeats=args.repeats)
     finally:
         for llm in groups.values():
             llm.close()
 
 
-async def _null_run(llm: Any, requests: int, concurrency: int, tokens: int) -> tuple[float, float]:
-    from troupe import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
-    produced = 0
-    limit = anyio.Semaphore(concurrency)
-
-    async def one(i: int) -> None:
-        nonlocal produced
-        async with limit:
-            async for out in llm.generate(f"Request number {i}: tell me everything.", params):
-                produced += len(out.outputs[0].token_ids)
-
-    t = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(requests):
-            tg.start_soon(one, i)
-    elapsed = time.perf_counter() - t
-    assert produced == requests * tokens
-    return requests / elapsed, produced / elapsed
-
-
 async def bench_null(args: argparse.Namespace) -> dict[int, tuple[list[float], list[float]]]:
     from troupe import AsyncLLM
+    from troupe.bench import stream_requests
 
     results: dict[int, tuple[list[float], list[float]]] = {}
     for n in (int(s) for s in args.sizes.split(",")):
@@ -90,7 +54,7 @@ async def bench_null(args: argparse.Namespace) -> dict[int, tuple[list[float], l
                             log_stats_interval_s=None) as llm:
             reqs, toks = [], []
             for r in range(args.repeats + 1):
-                rps, tps = await _null_run(llm, args.requests, args.concurrency, args.null_tokens)
+                rps, tps = await stream_requests(llm, args.requests, args.concurrency, args.null_tokens)
                 if r:
                     reqs.append(rps)
                     toks.append(tps)

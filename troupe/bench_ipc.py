@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,50 +26,17 @@ import anyio
 
 
 def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
-    from troupe import LLM, SamplingParams
-    from troupe.bench import make_prompts
+    from troupe import LLM
+    from troupe.bench import alternate_offline
 
     opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
                 num_threads=args.threads, enable_prefix_caching=False)
     llms = {mode: LLM(**opts, multiprocess=mode == "multiprocess") for mode in args.modes.split(",")}
     try:
-        prompts = make_prompts(next(iter(llms.values())).get_tokenizer(), 64, 20, 400)
-        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-        jobs = [{"prompt_token_ids": p} for p in prompts]
-        warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        for llm in llms.values():  # first calls (allocations, lazy inits) out of the measured runs
-            llm.generate(jobs[:8], warm_up, use_tqdm=False)
-        runs: dict[str, list[float]] = {mode: [] for mode in llms}
-        for r in range(args.repeats):
-            for mode, llm in llms.items():
-                t = time.perf_counter()
-                outs = llm.generate(jobs, params, use_tqdm=False)
-                rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
-                runs[mode].append(rate)
-                print(f"  offline {mode:<12} run {r}: {rate:8.1f} output tok/s", file=sys.stderr)
-        return runs
+        return alternate_offline(llms, num_prompts=64, max_tokens=128, repeats=args.repeats)
     finally:
         for llm in llms.values():
             llm.close()
-
-
-async def _null_run(llm: Any, streams: int, tokens: int) -> float:
-    from troupe import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
-    produced = 0
-
-    async def one(i: int) -> None:
-        nonlocal produced
-        async for out in llm.generate(f"Stream number {i}: tell me everything.", params):
-            produced += len(out.outputs[0].token_ids)
-
-    t = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(streams):
-            tg.start_soon(one, i)
-    assert produced == streams * tokens
-    return produced / (time.perf_counter() - t)
 
 
 def scheduler_only_core(config: Any) -> Any:
@@ -89,6 +55,7 @@ def scheduler_only_core(config: Any) -> Any:
 
 async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list[float]]:
     from troupe import AsyncLLM
+    from troupe.bench import stream_requests
 
     runs: dict[str, list[float]] = {}
     for mode in args.modes.split(","):
@@ -97,7 +64,7 @@ async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list
                             num_threads=args.threads) as llm:
             runs[mode] = []
             for r in range(args.repeats + 1):
-                rate = await _null_run(llm, args.streams, args.null_tokens)
+                _, rate = await stream_requests(llm, args.streams, args.streams, args.null_tokens)
                 if r:
                     runs[mode].append(rate)
                 name = "null" if make_core is None else "scheduler-only"
