@@ -124,7 +124,7 @@ class DPBalancer(anyio.AsyncContextManagerMixin):
                 tg.start_soon(self._merge_outputs)
                 await self._route_inputs()
                 tg.cancel_scope.cancel()
-        finally:  # every end, also where a task was cancelled before it ran
+        finally:  # every end, here (a task may be cancelled before it runs); the engines see EndOfStream
             self._inbox.close()
             self._from_engines.close()
             self._to_output.close()
@@ -145,22 +145,18 @@ class DPBalancer(anyio.AsyncContextManagerMixin):
         return rank
 
     async def _route_inputs(self) -> None:
-        try:
-            async for msg in self._inbox:
-                match msg:
-                    case AddRequest():
-                        await self._add(msg)
-                    case AbortRequest():
-                        await self._abort(msg.request_ids)
-                    case UtilityCall():
-                        self._calls[msg.call_id] = _Call(msg.method)
-                        for engine in self._engines:
-                            await engine.send(msg)
-                    case _:
-                        assert_never(msg)
-        finally:
-            for engine in self._engines:
-                engine.close()
+        async for msg in self._inbox:
+            match msg:
+                case AddRequest():
+                    await self._add(msg)
+                case AbortRequest():
+                    await self._abort(msg.request_ids)
+                case UtilityCall():
+                    self._calls[msg.call_id] = _Call(msg.method)
+                    for engine in self._engines:
+                        await engine.send(msg)
+                case _:
+                    assert_never(msg)
 
     async def _add(self, msg: AddRequest) -> None:
         rank = self.choose(msg.data_parallel_rank)
@@ -189,20 +185,19 @@ class DPBalancer(anyio.AsyncContextManagerMixin):
     # ------------------------------------------------------------------ engines -> frontend
 
     async def _merge_outputs(self) -> None:
-        async with self._to_output:
-            async for msg in self._from_engines:
-                match msg:
-                    case EngineCoreOutputs():
-                        self._record(msg)
-                        await self._to_output.send(msg)
-                    case UtilityResult():
-                        combined = self._collect(msg)
-                        if combined is not None:
-                            await self._to_output.send(combined)
-                    case EngineDead():
-                        await self._to_output.send(msg)
-                    case _:
-                        assert_never(msg)
+        async for msg in self._from_engines:
+            match msg:
+                case EngineCoreOutputs():
+                    self._record(msg)
+                    await self._to_output.send(msg)
+                case UtilityResult():
+                    combined = self._collect(msg)
+                    if combined is not None:
+                        await self._to_output.send(combined)
+                case EngineDead():
+                    await self._to_output.send(msg)
+                case _:
+                    assert_never(msg)
 
     def _record(self, msg: EngineCoreOutputs) -> None:
         rank = msg.engine_index

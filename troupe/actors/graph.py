@@ -68,7 +68,6 @@ class Graph(anyio.AsyncContextManagerMixin):
         self.limits: ModelLimits | None = None
         self.submit: MemoryObjectSendStream[FrontendInput] | None = None
         self.engines: list[EngineSide] = []
-        self.engine: EngineSide | None = None  # rank 0
         self.balancer: DPBalancer | None = None
         self.output_handler: OutputHandler | None = None
         self.input_processor: InputProcessor | None = None
@@ -106,13 +105,12 @@ class Graph(anyio.AsyncContextManagerMixin):
                                                  engine_index=rank)
                                 for rank, (inbox, clone) in enumerate(zip(inboxes, clones, strict=True))]
                 outbox.close()  # the engines hold clones: the stream ends when the last engine stops
-                self.engine = self.engines[0]
                 tokenizer = _TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
                 tg.start_soon(tokenizer.load, self.config.model)
                 await self._start_engines(tg)
                 first = self.engines[0].ready
-                local = [side.ready for side in self.engines if not getattr(side, "remote", False)]
-                self.tokenizer = await tokenizer.get(local[0].model_path if local else None)
+                # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
+                self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
                 self.table = RequestTable(self.tokenizer)
                 if self._early_failure is not None:
                     self.table.fail_all(*self._early_failure)

@@ -246,25 +246,24 @@ class EngineProcess:
         await anyio.wait_readable(proc.sentinel)
         await anyio.to_thread.run_sync(proc.join, KILL_WAIT_S)  # reaps it: microseconds after EOF
         self._exitcode = proc.exitcode
-        if self._stopping:
-            return
-        what = f"engine process {proc.pid} {describe_exit(proc.exitcode)}"
-        if self._ready is None:
-            await notify.send(EngineStartupFailed(self.engine_index, "EngineProcessExited", what, ""))
-        else:
-            log.error("engine process died", pid=proc.pid, exitcode=proc.exitcode)
-            await notify.send(EngineDead(reason=what, engine_index=self.engine_index))
+        await self._report_loss(notify, "EngineProcessExited", f"engine process {proc.pid} {describe_exit(proc.exitcode)}",
+                                pid=proc.pid, exitcode=proc.exitcode)
 
     async def _watch_connection(self, bridge: Bridge[ToEngine, FromEngine],
                                 notify: MemoryObjectSendStream[FromEngine]) -> None:
         await bridge.disconnected.wait()
+        await self._report_loss(notify, "EngineDisconnected",
+                                f"the connection to headless engine {self.engine_index} dropped")
+
+    async def _report_loss(self, notify: MemoryObjectSendStream[FromEngine], error_type: str, what: str,
+                           **fields: object) -> None:
+        """The engine went away without being asked: a failed start-up before ready, else EngineDead."""
         if self._stopping:
             return
-        what = f"the connection to headless engine {self.engine_index} dropped"
         if self._ready is None:
-            await notify.send(EngineStartupFailed(self.engine_index, "EngineDisconnected", what, ""))
+            await notify.send(EngineStartupFailed(self.engine_index, error_type, what, ""))
         else:
-            log.error("headless engine disconnected")
+            log.error("engine lost", reason=what, **fields)
             await notify.send(EngineDead(reason=what, engine_index=self.engine_index))
 
     # ------------------------------------------------------------------ shutdown
