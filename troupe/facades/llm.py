@@ -6,13 +6,17 @@
    `FINAL_ONLY` outputs and gathers the results in input order (a progress bar shows input and
    output tokens/s).
 3. Ctrl-C during `generate` cancels that coroutine: its requests are aborted in the engine and
-   `KeyboardInterrupt` reaches the caller at once.
+   `KeyboardInterrupt` reaches the caller at once. Python runs signal handlers in the main thread
+   only, and a SIGINT the kernel hands to another thread (the portal's workers, torch's) does not
+   wake a main thread blocked on a lock; so the caller waits for the result in slices of
+   `SIGNAL_CHECK_S`, between which a pending Ctrl-C is raised.
 4. `close()` (or leaving `with`) shuts the graph down and joins the portal thread; a
    `weakref.finalize` does the same for a user who forgets, so interpreter exit never hangs.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 import weakref
@@ -26,6 +30,8 @@ from troupe.facades.async_llm import AsyncLLM
 from troupe.inputs import ChatMessages, PromptType
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
+
+SIGNAL_CHECK_S = 0.1  # the longest a Ctrl-C delivered to another thread waits to be raised
 
 
 def _shutdown(portal: BlockingPortal, stack: contextlib.ExitStack) -> None:
@@ -78,7 +84,11 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         future = self._portal.start_task_soon(fn, *args)
         try:
-            return future.result()
+            while True:
+                try:
+                    return future.result(timeout=SIGNAL_CHECK_S)
+                except concurrent.futures.TimeoutError:
+                    continue  # not done: back to waiting, after any pending signal handler ran
         except KeyboardInterrupt:
             future.cancel()  # the coroutine aborts its requests from its own cleanup
             raise
