@@ -103,7 +103,8 @@ def test_bfloat16_matches_reference_within_bf16_precision():
     assert torch.equal(kc, kc_ref)
 
 
-def _rows_for(meta: AttentionMetadata, kc, vc, rows: list[int], prefilled: list[bool], length: int, seed: int):
+def _rows_for(meta: AttentionMetadata, kc, vc, rows: list[int], prefilled: list[bool], length: int, seed: int,
+              group: int = 8):
     """A row cache of 2 layers (random garbage, so a wrong read shows) holding the decodes of `meta` at
     `rows`; a decode marked prefilled already holds its context but its new token, the others are refilled."""
     g = torch.Generator().manual_seed(seed)
@@ -121,19 +122,26 @@ def _rows_for(meta: AttentionMetadata, kc, vc, rows: list[int], prefilled: list[
                 cache[row, :, : n - 1] = pool[blocks].view(-1, KVH, D)[: n - 1].transpose(0, 1)
         else:
             refills.append((row, blocks, n))
-    return DecodeRows.build(k_rows, v_rows, meta.query_start_loc[dec], rows, dec_lens, refills)
+    return DecodeRows.build(k_rows, v_rows, meta.query_start_loc[dec], rows, dec_lens, refills, group)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "prefilled"), [([0, 1, 2, 3], [False] * 4), ([5, 0, 3, 2], [True, False, True, True])])
-def test_decode_rows_match_reference(rows, prefilled, dtype):
+@pytest.mark.parametrize("group", [8, 2])
+@pytest.mark.parametrize(("rows", "prefilled"), [([0, 1, 2, 3], [False] * 4), ([5, 0, 3, 2], [True, False, True, True]),
+                                               ([7, 0, 1, 6], [False, True, False, True])])
+def test_decode_rows_match_reference(rows, prefilled, group, dtype):
     """With a row cache, decodes read their context from their rows (refilled from the pool when new,
-    holding all but the new token otherwise; unused rows hold garbage) and give the reference's outputs;
+    holding all but the new token otherwise; unused rows hold garbage), in groups of `group` rows each read
+    up to its own longest context (a group without a decode skipped), and give the reference's outputs;
     afterwards each row holds the decode's whole context, as the pool does."""
     q, k, v, kc, vc, meta = make_batch(MIXED, 4, 3, 9, 16, torch.float32, seed=5)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     kc, vc = kc.to(dtype), vc.to(dtype)
-    meta.rows = _rows_for(meta, kc, vc, rows, prefilled, length=40, seed=6)
+    meta.rows = _rows_for(meta, kc, vc, rows, prefilled, length=40, seed=6, group=group)
+    if group == 2:  # decode contexts 6, 1, 31, 4 (MIXED) at `rows`: each group up to its own longest
+        expected = {(0, 1, 2, 3): [(0, 2, 6), (2, 4, 31)], (5, 0, 3, 2): [(0, 2, 1), (2, 4, 31), (4, 6, 6)],
+                    (7, 0, 1, 6): [(0, 2, 31), (6, 8, 6)]}[tuple(rows)]  # rows 2..5 unused: skipped
+        assert [(r0, r1, bias.shape[-1]) for r0, r1, bias in meta.rows.groups] == expected
     meta.rows.k[1], meta.rows.v[1] = meta.rows.k[1].to(dtype), meta.rows.v[1].to(dtype)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     out = paged_attention(q, k, v, kc, vc, meta, 0.25, layer=1)

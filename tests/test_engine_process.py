@@ -229,3 +229,23 @@ def test_parent_sigkill_leaves_no_orphan(tiny_llama: Path, tmp_path: Path) -> No
                 parent.kill()
                 parent.wait()
     assert os.listdir(ipc_dir) == []
+
+
+def test_engine_openmp_settings_yield_to_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawned engine gets a short libgomp spin (GOMP_SPINCOUNT) unless the user set OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT; the settings are only in the environment while the child starts."""
+    from troupe.process.launch import ENGINE_SPIN_COUNT, engine_environment, engine_omp_settings
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert engine_omp_settings() == {"GOMP_SPINCOUNT": ENGINE_SPIN_COUNT}
+    with engine_environment():
+        assert os.environ["GOMP_SPINCOUNT"] == ENGINE_SPIN_COUNT
+    assert "GOMP_SPINCOUNT" not in os.environ
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0")):
+        monkeypatch.setenv(name, value)
+        assert engine_omp_settings() == {}
+        with engine_environment():
+            assert os.environ[name] == value and os.environ.get("GOMP_SPINCOUNT", "0") in ("0", value)
+        assert os.environ[name] == value
+        monkeypatch.delenv(name)

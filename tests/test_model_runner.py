@@ -142,6 +142,55 @@ def test_decode_row_cache_keeps_rows_only_across_consecutive_decodes(tiny_models
         assert rows == {"0": 0, "3": 2, "1": 3}  # 0 and 3 kept theirs since the first decode; 1 came back
 
 
+def test_decodes_longer_than_a_row_gather_beside_row_decodes(tiny_models, monkeypatch):
+    """Rows 4 positions long: decodes whose context fits use rows, longer ones gather from the pool in the
+    same step, all with transformers' logits; rows are only cleaned up to the longest row decode, and a
+    sequence that outgrows its row moves to the gather path."""
+    import troupe.core.model_runner as mr
+
+    monkeypatch.setattr(mr, "ROW_LEN_STEP", 2)
+    folder, ref = tiny_models["llama"]
+    runner = runner_for(folder, 4)
+    runner.row_cache_bytes = runner.max_num_seqs * 4 * runner.kv_bytes_per_token
+    blocks = BlockTables(runner.num_blocks, 4, seed=5)
+    seqs = [0, 1, 3]
+    tables = {i: blocks.grow([], len(SEQS[i])) for i in seqs}
+    done = {0: 2, 1: 1, 3: 12}  # 1 fits for 3 steps, 0 for 1 step, 3 never
+    runner.execute([ScheduledSeq(str(i), SEQS[i][: done[i]], 0, tables[i], False) for i in seqs])
+    cleaned = []
+    for _ in range(5):
+        logits = runner.execute([ScheduledSeq(str(i), [SEQS[i][done[i]]], done[i], tables[i], True) for i in seqs])
+        torch.testing.assert_close(logits, torch.stack([ref[i][done[i]] for i in seqs]), atol=1e-4, rtol=1e-4)
+        done = {i: d + 1 for i, d in done.items()}
+        assert set(runner._row_of) == {str(i) for i in seqs if done[i] <= 4}
+        cleaned.append(runner._rows_clean)
+    assert runner._row_k[0].shape[2] == 4
+    assert cleaned == [4, 4, 4, 4, 4] and runner._row_of == {}
+
+
+def test_rows_are_sorted_by_length_when_that_reads_much_less(tiny_models, monkeypatch):
+    """Decodes join one by one and take rows in arrival order (long, short, long, short); once sorting by
+    context length reads much less (groups of 2 rows), kept rows are moved into length
+    order, and the logits stay transformers' in that step and the next ones (read from the moved rows)."""
+    import troupe.core.model_runner as mr
+
+    monkeypatch.setattr(mr, "ROW_GROUP", 2)
+    folder, ref = tiny_models["llama"]
+    runner = runner_for(folder, 4)
+    blocks = BlockTables(runner.num_blocks, 4, seed=7)
+    tables = [blocks.grow([], len(s)) for s in SEQS]
+    done = {3: 12, 1: 2, 0: 9, 2: 2}
+    runner.execute([ScheduledSeq(str(i), SEQS[i][:n], 0, tables[i], False) for i, n in done.items()])
+    # step 4 reads 2*16 + 2*11 = 54 positions in arrival order, 2*5 + 2*16 = 42 sorted: 3 moves to row 3
+    for decoding, rows in (([3], {3: 0}), ([3, 1], {3: 0, 1: 1}), ([3, 1, 0], {3: 0, 1: 1, 0: 2}),
+                           ([3, 1, 0, 2], {2: 0, 1: 1, 0: 2, 3: 3}), ([3, 1, 0], {3: 3, 1: 1, 0: 2})):
+        logits = runner.execute([ScheduledSeq(str(i), [SEQS[i][done[i]]], done[i], tables[i], True) for i in decoding])
+        torch.testing.assert_close(logits, torch.stack([ref[i][done[i]] for i in decoding]), atol=1e-4, rtol=1e-4)
+        for i in decoding:
+            done[i] += 1
+        assert {int(r): row for r, (row, _) in runner._row_of.items()} == rows
+
+
 def test_shared_prefix_blocks_are_reused(tiny_models):
     """A sequence whose first blocks are another's cached blocks (prefix caching) computes only its
     remaining tokens and still gets transformers' logits; the owner's later decode is unaffected."""

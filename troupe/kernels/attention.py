@@ -20,7 +20,7 @@ buffers depend only on the step, so they are built on the first layer's call and
 metadata. `paged_attention_reference` is the plain per-token version the fast path is tested against;
 a Triton kernel will take the same arguments.
 
-Decode rows (`meta.rows`, optional): the gather above copies every decode's whole context out of the pool
+Decode rows (`meta.rows`, optional; the decodes it does not list still gather): the gather above copies every decode's whole context out of the pool
 in every layer of every step, which costs more than the attention itself at 64 decodes. When the caller
 (`ModelRunner`) keeps a contiguous copy of each decode's context in a row cache, the decodes attend over
 that instead: the new K/V are written to the pool *and* to the rows, a row that is new (or stale) is first
@@ -46,13 +46,19 @@ class AttentionMetadata:
     plan: _TorchPlan | None = field(default=None, repr=False)  # torch-path indices, built on first use
 
 
+ROW_GROUP = 8  # decode rows attend in groups of this many rows, each group only up to its longest context
+
+
 @dataclass(slots=True)
 class DecodeRows:
     """Where this step's decodes live in a row cache: contiguous copies of their context, per layer.
 
     `k[layer]`, `v[layer]`: (RC, KVH, LC, D); row r holds one sequence's keys for kv head h at
-    `[r, h, :len]`, where len is its context length. Rows `[0, R)` are read, `R = bias.shape[0] // KVH`,
-    positions `[0, L)`, `L = bias.shape[-1]`; a row no decode uses this step only needs finite values.
+    `[r, h, :len]`, where len is its context length. Rows are read in groups: group `(r0, r1, bias)` covers
+    rows `[r0, r1)` and positions `[0, L)`, `L = bias.shape[-1]` (its longest context), `bias` being
+    ((r1 - r0) * KVH, 1, L) float 0 / -inf (position < the row's length). A row no decode uses this step
+    only needs finite values. Rows sorted by context length (the runner keeps them so) make each group
+    read little more than its decodes' contexts instead of everyone padded to the longest.
     """
 
     k: list[torch.Tensor]  # per layer (RC, KVH, LC, D)
@@ -61,8 +67,13 @@ class DecodeRows:
     rows: torch.Tensor  # (B,) its row
     write_idx: torch.Tensor  # (B * KVH,) its new token's index in `k[layer].view(-1, D)`, per kv head
     refills: list[tuple[int, torch.Tensor, int]]  # (row, blocks (nb,), ctx_len): copy from the pool first
-    bias: torch.Tensor  # (R * KVH, 1, L) float 0 / -inf: position < the row's context length
-    _bias_g: torch.Tensor | None = field(default=None, repr=False)  # bias repeated for the G folded heads
+    groups: list[tuple[int, int, torch.Tensor]]  # (r0, r1, bias ((r1 - r0) * KVH, 1, L))
+    _bias_g: list[torch.Tensor] = field(default_factory=list, repr=False)  # biases repeated for the G heads
+
+    @property
+    def num_rows(self) -> int:
+        """Rows `[0, R)` take part (the last group's end)."""
+        return self.groups[-1][1]
 
     @classmethod
     def build(
@@ -73,15 +84,25 @@ class DecodeRows:
         rows: list[int],  # distinct, < RC
         seq_lens: list[int],  # context length of each decode after this step, <= LC
         refills: list[tuple[int, torch.Tensor, int]],
+        group: int = ROW_GROUP,
     ) -> DecodeRows:
         _, KVH, LC, _ = k[0].shape
         row_t, len_t = torch.tensor(rows), torch.tensor(seq_lens)
-        R, L = max(rows) + 1, max(seq_lens)
+        R = max(rows) + 1
         heads = (row_t[:, None] * KVH + torch.arange(KVH)) * LC  # (B, KVH) first slot of each row / head
-        row_len = torch.zeros(R, dtype=torch.long).index_copy_(0, row_t, len_t)  # (R,) unused rows: 0
-        visible = torch.arange(L)[None, :] < row_len[:, None]  # (R, L)
-        visible[row_len == 0] = True  # a row without a decode attends to finite garbage, never to nothing
-        bias = torch.zeros(R, L).masked_fill_(~visible, float("-inf"))  # (R, L)
+        row_len = [0] * R  # unused rows: 0
+        for r, n in zip(rows, seq_lens, strict=True):
+            row_len[r] = n
+        groups = []
+        for r0 in range(0, R, group):
+            lens = torch.tensor(row_len[r0 : r0 + group])  # (n,)
+            L = int(lens.max())
+            if L == 0:
+                continue  # no decode in these rows: skipped (the last group is never empty)
+            visible = torch.arange(L)[None, :] < lens[:, None]  # (n, L)
+            visible[lens == 0] = True  # a row without a decode attends to finite garbage, never to nothing
+            bias = torch.zeros(len(lens), L).masked_fill_(~visible, float("-inf"))  # (n, L)
+            groups.append((r0, r0 + len(lens), bias.repeat_interleave(KVH, dim=0)[:, None, :]))
         return cls(
             k=k,
             v=v,
@@ -89,7 +110,7 @@ class DecodeRows:
             rows=row_t,
             write_idx=(heads + (len_t - 1)[:, None]).reshape(-1),  # (B * KVH,)
             refills=refills,
-            bias=bias.repeat_interleave(KVH, dim=0)[:, None, :],  # (R * KVH, 1, L)
+            groups=groups,
         )
 
 
@@ -146,7 +167,7 @@ def paged_attention(
     out = torch.empty_like(q)  # (T, H, D)
     if meta.rows is not None:
         _row_attention(q, k, v, k_cache, v_cache, meta.rows, layer, scale, out)
-    elif meta.plan.decodes is not None:
+    if meta.plan.decodes is not None:
         _decode_attention(q, k_cache, v_cache, meta.plan.decodes, scale, out)
     for c in meta.plan.chunks:
         n = c.end - c.start
@@ -214,35 +235,41 @@ def _row_attention(
     RC, KVH, LC, D = kr.shape
     B, H = dr.tokens.shape[0], q.shape[1]
     G = H // KVH
-    R, L = dr.bias.shape[0] // KVH, dr.bias.shape[-1]
     kr.view(-1, D).index_copy_(0, dr.write_idx, k.index_select(0, dr.tokens).view(B * KVH, D))
     vr.view(-1, D).index_copy_(0, dr.write_idx, v.index_select(0, dr.tokens).view(B * KVH, D))
     for row, blocks, n in dr.refills:  # the pool already holds the new token, so the copy includes it
         kr[row, :, :n] = k_cache.index_select(0, blocks).view(-1, KVH, D)[:n].transpose(0, 1)
         vr[row, :, :n] = v_cache.index_select(0, blocks).view(-1, KVH, D)[:n].transpose(0, 1)
+    R = dr.num_rows
     qr = q.new_zeros(R, H, D)  # (R, H, D): rows without a decode get a zero query
     qr.index_copy_(0, dr.rows, q.index_select(0, dr.tokens))
-    kk = kr.view(RC * KVH, LC, D)[: R * KVH, :L]  # (R*KVH, L, D), strided rows: no copy
-    vv = vr.view(RC * KVH, LC, D)[: R * KVH, :L]  # (R*KVH, L, D)
-    if dr._bias_g is None or dr._bias_g.dtype != q.dtype:
-        dr._bias_g = dr.bias.to(q.dtype).expand(R * KVH, G, L).contiguous()  # (R*KVH, G, L)
-    if q.dtype == torch.float32:
-        scores = torch.baddbmm(dr._bias_g, qr.view(R * KVH, G, D), kk.transpose(1, 2), alpha=scale)
-        o = torch.bmm(torch.softmax(scores, dim=-1, out=scores), vv)  # (R*KVH, G, D)
-    else:  # bmm + softmax in bf16 would lose precision: SDPA accumulates in float
-        mask = dr._bias_g.view(R, KVH, G, L)
-        o = F.scaled_dot_product_attention(
-            qr.view(R, KVH, G, D), kk.view(R, KVH, L, D), vv.view(R, KVH, L, D), attn_mask=mask, scale=scale
-        )  # (R, KVH, G, D)
-    out.index_copy_(0, dr.tokens, o.reshape(R, H, D).index_select(0, dr.rows))
+    o = q.new_zeros(R * KVH, G, D)  # (R*KVH, G, D): rows in skipped groups stay zero (no decode reads them)
+    if not dr._bias_g or dr._bias_g[0].dtype != q.dtype:
+        dr._bias_g = [bias.to(q.dtype).expand(bias.shape[0], G, bias.shape[-1]).contiguous() for *_, bias in dr.groups]
+    for (r0, r1, _), bias_g in zip(dr.groups, dr._bias_g, strict=True):
+        L = bias_g.shape[-1]
+        kk = kr.view(RC * KVH, LC, D)[r0 * KVH : r1 * KVH, :L]  # (n*KVH, L, D), strided rows: no copy
+        vv = vr.view(RC * KVH, LC, D)[r0 * KVH : r1 * KVH, :L]  # (n*KVH, L, D)
+        qg = qr[r0:r1].view((r1 - r0) * KVH, G, D)  # (n*KVH, G, D)
+        if q.dtype == torch.float32:
+            scores = torch.baddbmm(bias_g, qg, kk.transpose(1, 2), alpha=scale)  # (n*KVH, G, L)
+            torch.bmm(torch.softmax(scores, dim=-1, out=scores), vv, out=o[r0 * KVH : r1 * KVH])
+        else:  # bmm + softmax in bf16 would lose precision: SDPA accumulates in float
+            n = r1 - r0
+            o[r0 * KVH : r1 * KVH] = F.scaled_dot_product_attention(
+                qg.view(n, KVH, G, D), kk.view(n, KVH, L, D), vv.view(n, KVH, L, D),
+                attn_mask=bias_g.view(n, KVH, G, L), scale=scale,
+            ).view(n * KVH, G, D)
+    out.index_copy_(0, dr.tokens, o.view(R, H, D).index_select(0, dr.rows))
 
 
 def _build_plan(meta: AttentionMetadata, block_size: int, G: int) -> _TorchPlan:
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
-    dec_seqs = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] == 1]
+    in_rows = set() if meta.rows is None else set(meta.rows.tokens.tolist())
+    dec_seqs = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] == 1 and starts[s] not in in_rows]
     decodes = None
-    if dec_seqs and meta.rows is None:
+    if dec_seqs:
         nb = -(-max(seq_lens[s] for s in dec_seqs) // block_size)
         idx = torch.tensor(dec_seqs)
         mask = torch.arange(nb * block_size) < meta.seq_lens[idx][:, None]  # (B, L)

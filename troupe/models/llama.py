@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.kernels.attention import AttentionMetadata, paged_attention
+from troupe.kernels.linear import Linear, packing_supported
 from troupe.models.arch import ModelArch
 
 WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]  # (HF name, expected shape) -> tensor
@@ -77,6 +78,13 @@ class DecoderLayer(nn.Module):
         self.gate_up_b = _bias(arch.mlp_bias, 2 * f, dtype)
         self.down_w = _param(h, f, dtype=dtype)
         self.down_b = _bias(arch.mlp_bias, h, dtype)
+        self.qkv = Linear(self.qkv_w, self.qkv_b)
+        self.o_proj = Linear(self.o_w, self.o_b)
+        self.gate_up = Linear(self.gate_up_w, self.gate_up_b)
+        self.down = Linear(self.down_w, self.down_b)
+
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
 
     def forward(
         self,
@@ -89,16 +97,16 @@ class DecoderLayer(nn.Module):
         a, eps = self.arch, self.arch.rms_norm_eps
         T = x.shape[0]
         h = F.rms_norm(x, (a.hidden_size,), self.input_norm, eps)  # (T, hidden)
-        qkv = F.linear(h, self.qkv_w, self.qkv_b)  # (T, q_size + 2 * kv_size)
+        qkv = self.qkv(h)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)  # (T, H, D)
         k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)  # (T, KVH, D)
         v = v.reshape(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.index)  # (T, H, D)
-        x = x + F.linear(o.view(T, a.q_size), self.o_w, self.o_b)  # (T, hidden)
+        x = x + self.o_proj(o.view(T, a.q_size))  # (T, hidden)
         h = F.rms_norm(x, (a.hidden_size,), self.post_norm, eps)  # (T, hidden)
-        gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # (T, f) each
-        return x + F.linear(F.silu(gate) * up, self.down_w, self.down_b)  # (T, hidden)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)  # (T, f) each
+        return x + self.down(F.silu(gate) * up)  # (T, hidden)
 
 
 class LlamaModel(nn.Module):
@@ -112,6 +120,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             self.embed if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         )
+        self.head = Linear(self.lm_head)
         n = max_len or arch.max_position_embeddings
         angles = torch.outer(torch.arange(n, dtype=torch.float64), rope_inv_freq(arch))  # (n, D/2)
         self.register_buffer("cos_table", angles.cos().to(dtype), persistent=False)  # (n, D/2)
@@ -135,7 +144,21 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()
+
+    def pack_weights(self) -> bool:
+        """Once the weights are loaded: hand every projection and the LM head to oneDNN in its packed
+        layout where that is supported (`troupe.kernels.linear`); returns whether it did. The dense
+        copies are released, so `load_weights` cannot run again afterwards. A tied LM head gets its own
+        packed copy (the embedding lookup still needs the dense table)."""
+        if not packing_supported(self.dtype):
+            return False
+        if self.arch.tie_word_embeddings:
+            self.head = Linear(self.embed.detach().clone())
+        for layer in self.layers:
+            for lin in layer.linears():  # type: ignore[operator]
+                lin.pack()
+        return self.head.pack()
 
     def load_weights(self, get: WeightGetter) -> None:
         """Fill every parameter from HF-named tensors; `get(name, shape)` returns one checked tensor."""

@@ -13,7 +13,7 @@ Shutdown: on cancellation (graph shutdown), shielded and bounded: `EngineShutdow
 Start-up, `await tg.start(engine.run)`:
 1. make a private dir (mode 0700) for the ipc socket and bind the ROUTER there (or at `engine_address`);
 2. spawn the child from the event-loop thread (the child's PR_SET_PDEATHSIG follows the thread that
-   forked it, so never from a short-lived worker thread), with OMP_WAIT_POLICY=PASSIVE set and
+   forked it, so never from a short-lived worker thread), with the OpenMP settings of `launch.engine_omp_settings` and
    without re-importing the program's `__main__` in it (`launch.bare_main`);
 3. on `EngineHello` the child is connected: remove the ipc dir at once (the connection does not
    need the file, so even a parent SIGKILLed later leaves nothing behind);

@@ -44,7 +44,7 @@ from troupe.errors import EngineStartupError
 from troupe.messages import AbortRequest, AddRequest, EngineInput, UtilityCall
 from troupe.process.bridge import Bridge, engine_identity
 from troupe.process.codec import FrameDecoder, reject_input
-from troupe.process.launch import rank_address
+from troupe.process.launch import engine_omp_settings, rank_address
 from troupe.process.logs import ForwardToFrontend, configure_child_logging, log_channel, pump
 from troupe.process.protocol import (
     EngineHello,
@@ -71,7 +71,7 @@ def run_engine_process(*, config: EngineConfig, address: str, engine_index: int,
                        make_core: MakeCore | None = None, log_level: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the frontend set it; in case torch is not loaded yet
+    os.environ.update(engine_omp_settings())  # the frontend set them; in case torch is not loaded yet
     forward = configure_child_logging(log_level)
     structlog.contextvars.bind_contextvars(engine=engine_index, pid=os.getpid())
     code = anyio.run(_serve, config, address, engine_index, make_core, forward, backend="asyncio")
@@ -95,7 +95,7 @@ def run_headless_engine(address: str, rank: int, *, num_threads: int | None = No
     the next one, with a fresh EngineCore (its configuration may differ); only a signal stops it.
     """
     target = rank_address(address, rank)  # a bad address fails before anything is set up
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.update(engine_omp_settings())  # effective if torch is not loaded yet (the CLI defers it)
     forward = configure_child_logging(log_level)
     structlog.contextvars.bind_contextvars(engine=rank, pid=os.getpid())
     headless = _Headless(num_threads, start_timeout_s, serve_forever)
