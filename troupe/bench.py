@@ -1,10 +1,12 @@
 """`troupe bench`: offline throughput of troupe against Hugging Face transformers, same run.
 
 Workload (issue #2): 64 prompts of 20..400 tokens, 128 new tokens each, greedy with ignore_eos,
-on the default model. Prints, each as the median of `--repeats` runs:
-- troupe through `LLM.generate` (the actor graph) and through a bare `EngineCore` loop;
-- transformers' batched `generate` (left padding), best of the batch sizes in `--hf-batch-sizes`;
-- their ratio, troupe's start-up time (constructor to ready) and peak memory (RSS).
+on the default model. troupe (`LLM.generate`, the actor graph) and transformers' batched `generate`
+(left padding, each batch size in `--hf-batch-sizes`) take turns, round by round, so that both see
+the same machine load. Prints the medians of `--repeats` rounds, the ratio against the best
+transformers batch size (of the medians, and per round), troupe's start-up time (constructor to
+ready) and peak memory (RSS of this process before transformers is loaded, and of the engine
+process); without `--skip-core`, also a bare `EngineCore` loop in this process.
 """
 
 from __future__ import annotations
@@ -98,80 +100,75 @@ def peak_child_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
 
 
-def bench_troupe(args: argparse.Namespace) -> dict[str, Any]:
-    from troupe import LLM, SamplingParams
+def troupe_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                enable_prefix_caching=False, multiprocess=args.multiprocess)
+
+
+def troupe_run(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """One `LLM.generate` over the workload: output tok/s."""
+    from troupe import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def core_run(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    """The same workload on a bare `EngineCore` in this process (no actors): output tok/s."""
+    from troupe import SamplingParams
     from troupe.config import EngineConfig
     from troupe.core.engine_core import EngineCore
     from troupe.messages import AddRequest
 
-    opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                enable_prefix_caching=False, multiprocess=args.multiprocess)
-    t0 = time.perf_counter()
-    llm = LLM(**opts)
-    startup = time.perf_counter() - t0
-    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.min_len, args.max_len)
+    core = EngineCore(EngineConfig(**troupe_options(args)))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    graph_runs = []
-    try:
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            elapsed = time.perf_counter() - t
-            graph_runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    finally:
-        llm.close()
-    engine_rss = peak_child_rss_gib() if args.multiprocess else None
-    core_runs: list[float] = []
-    if args.skip_core:
-        return {"startup_s": startup, "graph_tok_s": statistics.median(graph_runs), "core_tok_s": None,
-                "peak_rss_gib": peak_rss_gib(), "engine_rss_gib": engine_rss}
-    core = EngineCore(EngineConfig(**opts))  # type: ignore[arg-type]
-    for r in range(args.repeats):
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(AddRequest(f"core-{i}", p, params, args.max_tokens))
+    produced = 0
+    while core.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in core.step().outputs)
+    return produced / (time.perf_counter() - t)
+
+
+class HFRunner:
+    """transformers' batched `generate` on the same prompts (left padding), one batch size per run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from troupe.models.loader import resolve_model_path
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        path = resolve_model_path(args.model)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+        self.prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.max_tokens = args.max_tokens
+
+    def run(self, batch_size: int) -> float:
+        import torch
+
         t = time.perf_counter()
-        for i, p in enumerate(prompts):
-            core.add_request(AddRequest(f"{r}-{i}", p, params, args.max_tokens))
         produced = 0
-        while core.has_unfinished_requests():
-            produced += sum(len(o.new_token_ids) for o in core.step().outputs)
-        core_runs.append(produced / (time.perf_counter() - t))
-    return {"startup_s": startup, "graph_tok_s": statistics.median(graph_runs),
-            "core_tok_s": statistics.median(core_runs), "peak_rss_gib": peak_rss_gib(), "engine_rss_gib": engine_rss}
-
-
-def bench_hf(args: argparse.Namespace, batch_sizes: Sequence[int]) -> dict[int, float]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from troupe.models.loader import resolve_model_path
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
-    prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    results = {}
-    for bs in batch_sizes:
-        runs = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            produced = 0
-            for start in range(0, len(prompts), bs):
-                chunk = prompts[start:start + bs]
-                width = max(len(p) for p in chunk)
-                ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-                with torch.inference_mode():
-                    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                         max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                                         pad_token_id=pad)
-                produced += (out.shape[1] - width) * len(chunk)
-            runs.append(produced / (time.perf_counter() - t))
-        results[bs] = statistics.median(runs)
-    return results
+        for start in range(0, len(self.prompts), batch_size):
+            chunk = self.prompts[start:start + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                          max_new_tokens=self.max_tokens, min_new_tokens=self.max_tokens,
+                                          pad_token_id=self.pad)
+            produced += (out.shape[1] - width) * len(chunk)
+        return produced / (time.perf_counter() - t)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,22 +194,53 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="the EngineCore in this process (see python -m troupe.bench_ipc for both)")
     args = p.parse_args(argv)
 
-    res = bench_troupe(args)
-    print(f"engine: {'its own process' if args.multiprocess else 'in-process'}")
-    print(f"troupe start-up (constructor to ready): {res['startup_s']:.2f} s")
-    print(f"troupe peak memory (RSS):               {res['peak_rss_gib']:.2f} GiB (this process)")
-    if res["engine_rss_gib"] is not None:
-        print(f"troupe engine process peak RSS:         {res['engine_rss_gib']:.2f} GiB")
-    print(f"troupe LLM.generate (actor graph):      {res['graph_tok_s']:.1f} output tok/s")
-    if res["core_tok_s"] is not None:
-        print(f"troupe bare EngineCore loop:            {res['core_tok_s']:.1f} output tok/s")
-        print(f"  LLM.generate / bare EngineCore:       {res['graph_tok_s'] / res['core_tok_s']:.3f}")
-    if not args.skip_hf:
-        hf = bench_hf(args, [int(b) for b in args.hf_batch_sizes.split(",")])
-        for bs, v in hf.items():
-            print(f"transformers generate, batch {bs:>3}:      {v:.1f} output tok/s")
-        best = max(hf.values())
-        print(f"ratio troupe (LLM.generate) / best transformers: {res['graph_tok_s'] / best:.2f}x")
+    from troupe import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**troupe_options(args))
+    startup = time.perf_counter() - t0
+    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.min_len, args.max_len)
+    sizes = [] if args.skip_hf else [int(b) for b in args.hf_batch_sizes.split(",")]
+    runs: dict[str, list[float]] = {"troupe": [], **{f"hf{bs}": [] for bs in sizes}}
+    ratios: list[float] = []
+    frontend_rss = None
+    hf: HFRunner | None = None
+    try:
+        for r in range(args.repeats):  # troupe and transformers take turns, so each round sees the same load
+            runs["troupe"].append(troupe_run(llm, prompts, args.max_tokens))
+            if frontend_rss is None:
+                frontend_rss = peak_rss_gib()  # before transformers' model is loaded into this process
+            if sizes and hf is None:
+                hf = HFRunner(args)
+            for bs in sizes:
+                assert hf is not None
+                runs[f"hf{bs}"].append(hf.run(bs))
+            line = " ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items())
+            if sizes:
+                ratios.append(runs["troupe"][-1] / max(runs[f"hf{bs}"][-1] for bs in sizes))
+                line += f" -> {ratios[-1]:.2f}x"
+            print(f"  round {r}: {line} (output tok/s)", file=sys.stderr, flush=True)
+    finally:
+        llm.close()
+    engine_rss = peak_child_rss_gib() if args.multiprocess else None
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"engine: {'its own process' if args.multiprocess else 'in-process'}; "
+          f"medians of {args.repeats} alternating round(s)")
+    print(f"troupe start-up (constructor to ready): {startup:.2f} s")
+    print(f"troupe peak memory (RSS):               {frontend_rss:.2f} GiB (this process)")
+    if engine_rss is not None:
+        print(f"troupe engine process peak RSS:         {engine_rss:.2f} GiB")
+    print(f"troupe LLM.generate (actor graph):      {med['troupe']:.1f} output tok/s")
+    if not args.skip_core:
+        core = statistics.median(core_run(args, prompts) for _ in range(args.repeats))
+        print(f"troupe bare EngineCore loop:            {core:.1f} output tok/s")
+        print(f"  LLM.generate / bare EngineCore:       {med['troupe'] / core:.3f}")
+    for bs in sizes:
+        print(f"transformers generate, batch {bs:>3}:      {med[f'hf{bs}']:.1f} output tok/s")
+    if sizes:
+        best = max(med[f"hf{bs}"] for bs in sizes)
+        print(f"ratio troupe (LLM.generate) / best transformers: {med['troupe'] / best:.2f}x"
+              f" (per round: {', '.join(f'{x:.2f}x' for x in ratios)})")
     sys.stdout.flush()
     return 0
 
