@@ -49,17 +49,13 @@ def alternate_offline(groups: dict[str, Any], *, num_prompts: int, max_tokens: i
     from troupe import SamplingParams
 
     prompts = make_prompts(next(iter(groups.values())).get_tokenizer(), num_prompts, 20, 400)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    jobs = [{"prompt_token_ids": p} for p in prompts]
     warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for llm in groups.values():  # first calls (allocations, lazy inits) out of the measured runs
-        llm.generate(jobs[:8], warm_up, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], warm_up, use_tqdm=False)
     runs: dict[str, list[float]] = {name: [] for name in groups}
     for r in range(repeats):
         for name, llm in groups.items():
-            t = time.perf_counter()
-            outs = llm.generate(jobs, params, use_tqdm=False)
-            rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+            rate = troupe_run(llm, prompts, max_tokens)
             runs[name].append(rate)
             print(f"  {label} {name:<20} run {r}: {rate:8.1f} output tok/s", file=sys.stderr)
     return runs

@@ -44,7 +44,7 @@ from troupe.models.loader import ModelInfo, load_model, read_model_info, resolve
 DEFAULT_KV_TOKENS_PER_SEQ = 512
 DEFAULT_KV_CAP_BYTES = 1 << 30
 NULL_TOKEN_ID = 260  # " the" in the SmolLM2 vocabulary: plain text, never EOS
-ROW_LEN_STEP = 128  # the decode row cache grows its row length in steps of this many positions
+ROW_LEN_STEP = 128  # row length is a multiple of this; rows are zeroed in steps of this many positions
 ROW_CACHE_MIN_BYTES = 64 << 20  # its budget: twice the pool's bytes, and at least this
 ROW_SORT_SLACK = 1.25  # re-sort the rows by length when their layout reads this much more than sorted
 
@@ -216,7 +216,6 @@ class ModelRunner:
         shape = (rc, self.info.num_kv_heads, lc, self.info.head_dim)
         self._row_k = [torch.empty(shape, dtype=self.info.dtype) for _ in range(self.info.num_layers)]
         self._row_v = [torch.empty(shape, dtype=self.info.dtype) for _ in range(self.info.num_layers)]
-        self._rows_clean = 0
         return True
 
     def _clean_rows(self, length: int) -> None:

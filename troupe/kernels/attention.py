@@ -20,12 +20,13 @@ buffers depend only on the step, so they are built on the first layer's call and
 metadata. `paged_attention_reference` is the plain per-token version the fast path is tested against;
 a Triton kernel will take the same arguments.
 
-Decode rows (`meta.rows`, optional; the decodes it does not list still gather): the gather above copies every decode's whole context out of the pool
-in every layer of every step, which costs more than the attention itself at 64 decodes. When the caller
-(`ModelRunner`) keeps a contiguous copy of each decode's context in a row cache, the decodes attend over
-that instead: the new K/V are written to the pool *and* to the rows, a row that is new (or stale) is first
-filled from the pool, and one bmm + softmax + bmm over rows `[0, R)` and positions `[0, L)` does the rest
-(about 2x faster than gather + SDPA at 64 decodes of ~400 tokens). The pool stays the source of truth.
+Decode rows (`meta.rows`, optional; decodes it does not list still gather): the gather above copies
+every decode's whole context out of the pool in every layer of every step, which costs more than the
+attention itself at 64 decodes. When the caller (`ModelRunner`) keeps a contiguous copy of each decode's
+context in a row cache, the decodes attend over that instead: the new K/V are written to the pool *and*
+to the rows, a row that is new (or stale) is first filled from the pool, and per group of `ROW_GROUP`
+rows one bmm + softmax + bmm up to the group's longest context does the rest (about 2x faster than
+gather + SDPA at 64 decodes of ~400 tokens). The pool stays the source of truth.
 """
 
 from __future__ import annotations

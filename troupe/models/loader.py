@@ -109,16 +109,15 @@ def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "auto", max_len: int | None = None, pack: bool = True
+    path: str | Path, dtype: str | torch.dtype = "auto", max_len: int | None = None
 ) -> tuple[LlamaModel, ModelInfo]:
-    """Build the model for the folder and load its weights; `max_len` bounds the rotary table; `pack`
-    hands the projections to oneDNN's packed layout where supported (`LlamaModel.pack_weights`)."""
+    """Build the model for the folder and load its weights (then packed for oneDNN where supported,
+    `LlamaModel.pack_weights`); `max_len` bounds the rotary table."""
     info = read_model_info(Path(path), dtype)
     model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
     with _WeightFiles(Path(path)) as weights:
         model.load_weights(weights.get)
-    if pack:
-        model.pack_weights()
+    model.pack_weights()
     return model.eval(), info
 
 
