@@ -13,6 +13,8 @@ Grammar: comma-separated `name=value` items.
   hung engine; the test creates the file to let it go on).
 - `block_startup=1`: building the engine blocks until `release=PATH` exists (a slow start-up).
 - `fail_startup=MESSAGE`: building the engine raises `RuntimeError(MESSAGE)`.
+- `fail_actor_init=MESSAGE`: a Ray engine actor's constructor raises `RuntimeError(MESSAGE)`
+  (troupe.process.ray_engines; the `engine=R` filter applies).
 - `engine=R`: the step faults above apply to data-parallel rank R only (default: every engine).
 """
 
@@ -24,7 +26,7 @@ import threading
 from typing import Any
 
 _NAMES = {"raise_after_steps", "crash_after_steps", "block_after_steps", "block_startup", "fail_startup",
-          "release", "engine"}
+          "fail_actor_init", "release", "engine"}
 POLL_S = 0.01
 
 
@@ -56,6 +58,13 @@ def before_build(spec: str | None) -> None:
         wait_for_release(faults["release"])
     if "fail_startup" in faults:
         raise RuntimeError(faults["fail_startup"])
+
+
+def before_actor(spec: str | None, engine_index: int) -> None:
+    """A Ray engine actor's constructor fault (`fail_actor_init`)."""
+    faults = parse(spec)
+    if "fail_actor_init" in faults and int(faults.get("engine", engine_index)) == engine_index:
+        raise RuntimeError(faults["fail_actor_init"])
 
 
 def install(core: Any, spec: str | None) -> None:
