@@ -99,3 +99,11 @@ def session_processes(session_dir: str) -> list[str]:
         if session_dir in cmdline or any(session_dir in t for t in targets):
             found.append(f"{name}: {cmdline[:120]}")
     return found
+
+
+def wait_no_processes(session_dir: str, within_s: float = 20.0) -> None:
+    """Until no process of the Ray session runs (a cluster's shutdown signals them; they exit soon after)."""
+    deadline = time.monotonic() + within_s
+    while (left := session_processes(session_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []

@@ -32,8 +32,8 @@ from ray_helpers import (  # noqa: E402
     engine_actors,
     local_cluster,
     node_args,
-    session_processes,
     wait_clean,
+    wait_no_processes,
 )
 
 from troupe import AsyncLLM, EngineDeadError, SamplingParams  # noqa: E402
@@ -43,7 +43,6 @@ pytestmark = pytest.mark.anyio
 
 ENGINE = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=256, block_size=16,
               data_parallel_backend="ray", num_threads=1, engine_ready_timeout_s=120, log_stats_interval_s=None)
-EXIT_WITHIN_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +55,7 @@ def ray_cluster() -> Iterator[Any]:
         with local_cluster() as cluster:
             session = cluster.head_node.get_session_dir_path()
             yield cluster
-        deadline = time.monotonic() + EXIT_WITHIN_S
-        while (left := session_processes(session)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert left == []
+        wait_no_processes(session)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,89 @@
+"""`troupe serve --data-parallel-size 2 --data-parallel-backend ray`, the one command: with no
+cluster address it starts a local Ray cluster it owns, serves on two Ray actors, and on the death
+of one behaves as for any engine death (503, then exit 1), leaving no Ray process behind."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+pytest.importorskip("ray")
+
+from ray_helpers import QUIET_ENV, wait_no_processes  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+ARGS = ["--dtype", "float32", "--num-threads", "1", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+        "--exit-on-engine-death-after", "1"]
+
+
+def log_events(srv: ServerProcess) -> list[dict[str, Any]]:
+    """The server's JSON log lines (Ray's own lines on the same stderr are not JSON: skipped)."""
+    events = []
+    for line in (srv.log_dir / "stderr.txt").read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def ray_session_dir(driver_pid: int) -> str:
+    """The session dir of the local cluster a driver started (Ray names it after the driver's pid)."""
+    root = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
+    [path] = glob.glob(os.path.join(root, f"session_*_{driver_pid}"))
+    return path
+
+
+@pytest.mark.anyio
+async def test_serve_on_two_ray_actors_then_exit_on_the_death_of_one(tiny_llama: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 completions are served, some by each actor (the per-request log lines name the engine);
+    SIGKILL of rank 1's actor process: /health and new requests answer 503 within 5 s, the log
+    names Ray's cause, the server exits 1 by itself, and its Ray session leaves no process."""
+    for name, value in QUIET_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with ServerProcess([str(tiny_llama), *ARGS], tmp_path) as srv:
+        assert srv.proc is not None
+        session = ray_session_dir(srv.proc.pid)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            async def one(i: int) -> None:
+                resp = await http.post("/v1/completions", json={"prompt": f"word {i} " * 4, "max_tokens": 4,
+                                                                "temperature": 0.0, "ignore_eos": True})
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["usage"]["completion_tokens"] == 4
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    for i in range(20):
+                        tg.start_soon(one, i)
+            served = [e.get("engine") for e in log_events(srv) if e.get("event") == "request finished"]
+            assert len(served) == 20 and {served.count(0), served.count(1)} != {0, 20}, served
+            actors = {e["engine"]: e["pid"] for e in log_events(srv) if e.get("event") == "engine ready"}
+            assert sorted(actors) == [0, 1] and os.getpid() not in actors.values()
+            os.kill(actors[1], signal.SIGKILL)
+            killed = time.monotonic()
+            with anyio.fail_after(10):
+                while True:  # another process's state: polled under the deadline
+                    if (await http.get("/health")).status_code == 503:
+                        break
+                    await anyio.sleep(0.05)
+            assert time.monotonic() - killed < 5
+            resp = await http.post("/v1/completions", json={"prompt": "after", "max_tokens": 2})
+            assert resp.status_code == 503
+        code = srv.wait_exit(60)
+        assert code == 1, srv.stderr_tail()
+        assert any("the Ray actor of engine 1 died: ActorDiedError" in json.dumps(e) for e in log_events(srv)), \
+            srv.stderr_tail()
+    await anyio.to_thread.run_sync(wait_no_processes, session)
