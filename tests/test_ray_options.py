@@ -55,7 +55,7 @@ def test_without_ray_the_ray_backend_says_how_to_install_it(monkeypatch: pytest.
     """`import ray` blocked: AsyncLLM(data_parallel_backend="ray") raises at once with the install
     command; the default backend is untouched."""
     monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(InvalidInputError, match=r"data_parallel_backend: 'ray' needs Ray.*pip install 'troupe\[ray\]'"):
+    with pytest.raises(InvalidInputError, match=r"data_parallel_backend: 'ray' needs Ray.*pip install -e '\.\[ray\]'"):
         AsyncLLM(data_parallel_backend="ray", data_parallel_size=2)
     assert EngineConfig(data_parallel_size=2).num_local_engines == 2
 
@@ -68,7 +68,7 @@ def test_the_cli_without_ray_exits_2_naming_the_install_command() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "troupe: error: data_parallel_backend: 'ray' needs Ray" in proc.stderr
-    assert "pip install 'troupe[ray]'" in proc.stderr
+    assert "pip install -e '.[ray]'" in proc.stderr
     assert "troupe serve: http" not in proc.stdout
 
 

@@ -13,7 +13,7 @@ import msgspec
 from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-RAY_INSTALL_HINT = "pip install 'troupe[ray]'"
+RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
