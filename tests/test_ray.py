@@ -179,6 +179,41 @@ async def test_a_failing_actor_constructor_fails_the_start_and_the_other_rank_is
     assert time.monotonic() - started < 60  # engine_ready_timeout_s is 120
 
 
+async def test_a_start_cancelled_while_the_engines_load_leaves_nothing(tiny_llama: Path, ray_cluster: Any,
+                                                                      tmp_path: Path) -> None:
+    """Cancelled once both actors run (their engines held in start-up by a fault): the start ends
+    at once, and the actors and placement groups are removed (checked by the fixture)."""
+    release = tmp_path / "release"  # never created: the engines would wait for ever
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            async def start() -> None:
+                async with AsyncLLM(str(tiny_llama), data_parallel_size=2, ray_address=ray_cluster.address,
+                                    ray_resources={"troupe_engine": 1}, **ENGINE,
+                                    fault_injection=f"block_startup=1,release={release}"):
+                    raise AssertionError("the engines cannot be ready")
+
+            tg.start_soon(start)
+            while True:  # the cluster's state (other processes): polled under the deadline
+                if ray.is_initialized() and len(await anyio.to_thread.run_sync(engine_actors, ray)) == 2:
+                    break
+                await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    assert not ray.is_initialized()  # the frontend's connection closed with it
+
+
+async def test_two_frontends_of_one_process_share_the_ray_connection(tiny_llama: Path, ray_cluster: Any) -> None:
+    """Ray allows one connection per process: two AsyncLLMs share it; the first to stop leaves it
+    (and the other's actor) alone, the last one closes it."""
+    options = dict(ray_address=ray_cluster.address, ray_resources={"troupe_engine": 1}, **ENGINE)
+    async with AsyncLLM(str(tiny_llama), **options) as second:
+        async with AsyncLLM(str(tiny_llama), **options) as first:
+            assert len(await final_tokens(first, "one", 3)) == 3
+        assert ray.is_initialized()
+        assert len(await final_tokens(second, "two", 3)) == 3
+        await second.check_health()
+    assert not ray.is_initialized()
+
+
 def test_a_killed_frontend_takes_its_actors_and_placement_groups_along(tiny_llama: Path, ray_cluster: Any,
                                                                       tmp_path: Path) -> None:
     """A frontend SIGKILLed while its two ranks serve: Ray (the actors' owner is gone) removes
