@@ -1,18 +1,21 @@
 """`data_parallel_backend` and the `ray_*` options at the edge (no Ray cluster needed), Ray missing
-(its import blocked), and the pure placement helpers of troupe.process.ray_cluster."""
+(its import blocked), and the pure placement helpers of troupe.process.ray_placement."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from troupe import AsyncLLM
 from troupe.config import EngineConfig
-from troupe.errors import InvalidInputError
-from troupe.process.ray_cluster import (
+from troupe.errors import EngineStartupError, InvalidInputError
+from troupe.process.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
     frontend_host,
@@ -34,6 +37,7 @@ from troupe.process.ray_cluster import (
     ({"data_parallel_backend": "ray", "ray_resources": {"CPU": 2}}, "ray_resources", "CPU and GPU come from"),
     ({"data_parallel_backend": "ray", "ray_resources": {"a": 0}}, "ray_resources", "numbers > 0"),
     ({"data_parallel_backend": "ray", "ray_resources": {"a": "lots"}}, "ray_resources", "numbers > 0"),
+    ({"data_parallel_backend": "ray", "ray_address": "ray://head:10001"}, "ray_address", "Ray Client"),
 ])
 def test_backend_options_are_validated(options: dict[str, Any], field: str, message: str) -> None:
     """Each bad combination is refused when the config is made, naming the field and what is allowed."""
@@ -134,3 +138,20 @@ def test_describe_ray_error_is_one_clean_line() -> None:
                        "\x1b[39m (pid=1)\n           ^^^^^^^^^^^\n  File \"x.py\", line 3\nRuntimeError: boom")
     assert describe_ray_error(exc) == ("RuntimeError: The actor died because of an error raised in its creation "
                                        "task, ray::A.__init__() (pid=1) File \"x.py\", line 3 RuntimeError: boom")
+
+
+@pytest.mark.anyio
+async def test_a_cluster_address_nobody_answers_fails_the_start_at_once(tiny_llama: Path) -> None:
+    """`ray_address` on a port nothing listens on: EngineStartupError naming the address within
+    seconds (ray.init alone would retry for minutes), and no connection is left open."""
+    ray = pytest.importorskip("ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    started = time.monotonic()
+    with pytest.raises(EngineStartupError, match=f"could not connect to the Ray cluster at '127.0.0.1:{port}'"):
+        async with AsyncLLM(str(tiny_llama), data_parallel_backend="ray", ray_address=f"127.0.0.1:{port}",
+                            num_threads=1):
+            pass
+    assert time.monotonic() - started < 15
+    assert not ray.is_initialized()

@@ -106,6 +106,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                     f"(Ray places every rank), got {self.data_parallel_size_local!r}")
         if self.data_parallel_address is not None and not self.data_parallel_address.startswith("tcp://"):
             raise InvalidInputError("data_parallel_address", f"must be tcp://HOST:PORT, got {self.data_parallel_address!r}")
+        if (self.ray_address or "").startswith("ray://"):
+            raise InvalidInputError("ray_address", "Ray Client (ray://) is not supported: run troupe on a node of the "
+                                    f"cluster and give its GCS address (host:port, or 'auto'), got {self.ray_address!r}")
         resources = self.ray_resources
         if isinstance(resources, list) and len(resources) != self.data_parallel_size:
             raise InvalidInputError("ray_resources", f"a list needs one dict per rank ({self.data_parallel_size}), "

@@ -7,7 +7,7 @@ remote rank: the frontend side is an `EngineProcess(remote=True)` with this obje
 
 Inbox / Outbox: those of its `EngineProcess` (`EngineInput` in; `EngineOutput` out, `EngineDead` on
           a death, with Ray's cause).
-Owns:     its share of the Ray session (troupe.process.ray_cluster), its placement group, its actor.
+Owns:     its share of the Ray session (troupe.process.ray_session), its placement group, its actor.
 Shutdown: every way out (normal, failed start-up, cancellation, crash) runs the same shielded
           `finally`: the EngineProcess's `EngineShutdown` and bounded wait, then `ray.kill` of the
           actor, removal of the placement group, leaving the session. Both are non-detached and
@@ -51,19 +51,20 @@ from troupe.messages import EngineInput, EngineOutput
 from troupe.process.client import EngineProcess, EngineProcessStats
 from troupe.process.launch import rank_address
 from troupe.process.protocol import EngineReady
-from troupe.process.ray_cluster import (
+from troupe.process.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
     frontend_host,
     rank_bundle,
     rank_resources,
-    ray_session,
     unplaced_reason,
 )
+from troupe.process.ray_session import ray_session
 
 log = structlog.get_logger("troupe.ray_engine")
 
 _WILDCARDS = ("0.0.0.0", "*", "[::]")
+CLEANUP_WAIT_S = 10.0  # removing an actor and a placement group: RPCs of milliseconds, unless the cluster is gone
 
 
 class EngineActor:
@@ -131,8 +132,10 @@ class RayEngine:
                     await self._place(ray)
                     await self._process.run(task_status=status)
                 finally:
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(self._remove)
+                    with anyio.move_on_after(CLEANUP_WAIT_S, shield=True) as cleanup:
+                        await anyio.to_thread.run_sync(self._remove, abandon_on_cancel=True)
+                    if cleanup.cancelled_caught:  # the cluster does not answer: it frees them when we leave
+                        log.warning("removing the Ray actor and placement group timed out", within_s=CLEANUP_WAIT_S)
         except Exception as exc:  # before ready, whatever failed (the session, the placement) failed the start-up
             if status.done or isinstance(exc, EngineStartupError):
                 raise
