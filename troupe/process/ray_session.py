@@ -9,6 +9,10 @@
   CPUs as the ranks ask for) — and the last to leave disconnects, which stops a local cluster it
   started. A connection the program made itself (`ray.init` before troupe) is used and left open.
 
+One thread (`_SessionThread`) runs `ray.init`, and `ray.shutdown` when the last user leaves: the
+processes of a local cluster die with the thread that started them (PR_SET_PDEATHSIG), so that
+thread must live as long as the connection, not be one of anyio's short-lived worker threads.
+
 Bounded both ways: `ray.init` retries an address that does not answer for many minutes, so a
 host:port is first probed with a plain TCP connection (refused: an error at once), and the whole
 connect is bounded by `engine_ready_timeout_s` (the connecting thread is then abandoned and gives
@@ -38,7 +42,7 @@ PROBE_TIMEOUT_S = 5.0
 DISCONNECT_WAIT_S = 30.0  # ray.shutdown of a local cluster stops its processes: seconds
 _lock = threading.Lock()
 _users = 0  # ranks (of any AsyncLLM of this process) inside `ray_session`
-_owned = False  # whether `ray_session` connected (so its last user disconnects)
+_session: _SessionThread | None = None  # the connection `ray_session` made (its last user closes it)
 
 
 def import_ray() -> Any:
@@ -97,14 +101,13 @@ async def _leave(ray: Any) -> None:
 
 
 def _acquire(config: EngineConfig, join: _Join) -> Any:
-    global _users, _owned
+    global _users, _session
     ray = import_ray()
     with _lock:
-        if _users == 0:
-            owned = not ray.is_initialized()
-            if owned:
-                _connect(ray, config)
-            _owned = owned
+        if _users == 0 and not ray.is_initialized():
+            session = _SessionThread(ray, config)
+            session.start()  # until connected, or raises
+            _session = session
         _users += 1
     with join.lock:
         join.joined = True
@@ -112,6 +115,46 @@ def _acquire(config: EngineConfig, join: _Join) -> Any:
     if abandoned:  # the caller gave up waiting meanwhile
         _release(ray)
     return ray
+
+
+class _SessionThread:
+    """The thread that connects (`ray.init`), waits, and disconnects (`ray.shutdown`).
+
+    A local cluster's processes are started with PR_SET_PDEATHSIG, which follows the *thread* that
+    started them: had a short-lived worker thread run `ray.init`, its exit (anyio reaps idle worker
+    threads after seconds) would SIGKILL the cluster's GCS and raylet under the running engines. So
+    one thread lives exactly as long as the connection; the process dying still takes it along."""
+
+    def __init__(self, ray: Any, config: EngineConfig) -> None:
+        self._ray = ray
+        self._config = config
+        self._connected = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="troupe-ray-session", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._connected.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            _connect(self._ray, self._config)
+        except BaseException as exc:  # handed to `start`, which raises it in the caller's thread
+            self._error = exc
+            return
+        finally:
+            self._connected.set()
+        self._stop.wait()
+        log.info("disconnecting from the Ray cluster (a local one stops)")
+        self._ray.shutdown()
 
 
 def _connect(ray: Any, config: EngineConfig) -> None:
@@ -150,10 +193,9 @@ def _probe(address: str) -> None:
 
 
 def _release(ray: Any) -> None:
-    global _users, _owned
+    global _users, _session
     with _lock:
         _users -= 1
-        if _users == 0 and _owned:
-            _owned = False
-            log.info("disconnecting from the Ray cluster (a local one stops)")
-            ray.shutdown()
+        if _users == 0 and _session is not None:
+            session, _session = _session, None
+            session.stop()

@@ -1,6 +1,9 @@
-"""`troupe serve --data-parallel-size 2 --data-parallel-backend ray`, the one command: with no
-cluster address it starts a local Ray cluster it owns, serves on two Ray actors, and on the death
-of one behaves as for any engine death (503, then exit 1), leaving no Ray process behind."""
+"""A local Ray cluster the frontend starts and owns (no `ray_address`, no RAY_ADDRESS).
+
+`troupe serve --data-parallel-size 2 --data-parallel-backend ray`, the one command, serves on two
+Ray actors and on the death of one behaves as for any engine death (503, then exit 1); the cluster
+outlives the frontend's idle worker threads (its processes die with the thread that started them);
+and no Ray process is left behind either way."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import glob
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,8 @@ pytest.importorskip("ray")
 
 from ray_helpers import QUIET_ENV, wait_no_processes  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+
+from troupe import AsyncLLM, SamplingParams  # noqa: E402
 
 ARGS = ["--dtype", "float32", "--num-threads", "1", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
         "--exit-on-engine-death-after", "1"]
@@ -86,4 +92,36 @@ async def test_serve_on_two_ray_actors_then_exit_on_the_death_of_one(tiny_llama:
         assert code == 1, srv.stderr_tail()
         assert any("the Ray actor of engine 1 died: ActorDiedError" in json.dumps(e) for e in log_events(srv)), \
             srv.stderr_tail()
+    await anyio.to_thread.run_sync(wait_no_processes, session)
+
+
+@pytest.mark.anyio
+async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_llama: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster's processes die with the thread that started them (PR_SET_PDEATHSIG): that is
+    troupe's session thread, alive while the frontend runs; once anyio has reaped the worker threads
+    busy during the start (idle ones go after 10 s, at the next hand-off), the engines still serve
+    and the group is healthy; leaving stops the cluster and the thread, and no process is left."""
+    for name, value in QUIET_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    async with AsyncLLM(str(tiny_llama), data_parallel_size=2, data_parallel_backend="ray", num_threads=1,
+                        dtype="float32", num_kv_blocks=256, log_stats_interval_s=None) as llm:
+        session = ray_session_dir(os.getpid())
+        [owner] = [t for t in threading.enumerate() if t.name == "troupe-ray-session"]
+        workers = {t for t in threading.enumerate() if t.name.startswith("AnyIO worker thread")}
+        assert workers  # the start ran Ray's blocking calls in them
+        with anyio.fail_after(60):
+            while True:  # each hand-off reuses the latest idle worker and reaps those idle for 10 s
+                poker = await anyio.to_thread.run_sync(threading.current_thread)
+                if not any(t.is_alive() for t in workers - {poker}):
+                    break
+                await anyio.sleep(0.5)
+        for i in range(4):
+            outs = [o async for o in llm.generate(f"still here {i}", params, data_parallel_rank=i % 2)]
+            assert len(outs[-1].outputs[0].token_ids) == 4
+        await llm.check_health()
+        assert owner.is_alive()
+    assert not owner.is_alive()
     await anyio.to_thread.run_sync(wait_no_processes, session)
