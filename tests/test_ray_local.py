@@ -20,7 +20,7 @@ import anyio
 import httpx
 import pytest
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from ray_helpers import QUIET_ENV, wait_no_processes  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
@@ -109,7 +109,7 @@ async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_l
     async with AsyncLLM(str(tiny_llama), data_parallel_size=2, data_parallel_backend="ray", num_threads=1,
                         dtype="float32", num_kv_blocks=256, log_stats_interval_s=None) as llm:
         session = ray_session_dir(os.getpid())
-        [owner] = [t for t in threading.enumerate() if t.name == "troupe-ray-session"]
+        owners = [t for t in threading.enumerate() if t.name == "troupe-ray-session"]
         workers = {t for t in threading.enumerate() if t.name.startswith("AnyIO worker thread")}
         assert workers  # the start ran Ray's blocking calls in them
         with anyio.fail_after(60):
@@ -122,6 +122,9 @@ async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_l
             outs = [o async for o in llm.generate(f"still here {i}", params, data_parallel_rank=i % 2)]
             assert len(outs[-1].outputs[0].token_ids) == 4
         await llm.check_health()
-        assert owner.is_alive()
-    assert not owner.is_alive()
+        with anyio.fail_after(10):  # the cluster itself still answers
+            nodes = await anyio.to_thread.run_sync(ray.nodes, abandon_on_cancel=True)
+        assert [node["Alive"] for node in nodes] == [True]
+        assert len(owners) == 1 and owners[0].is_alive()
+    assert not owners[0].is_alive()
     await anyio.to_thread.run_sync(wait_no_processes, session)
