@@ -18,6 +18,7 @@ from troupe.errors import EngineStartupError, InvalidInputError
 from troupe.process.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
+    fits_a_node,
     frontend_host,
     rank_bundle,
     rank_resources,
@@ -121,6 +122,7 @@ def test_unplaced_reason_names_what_is_missing() -> None:
     assert unplaced_reason({"CPU": 1.0, "gpu_x": 1.0}, nodes, {}) == \
         "no node of the cluster has gpu_x=1 (the most a node has: 0)"
     assert unplaced_reason({"CPU": 4.0, "a": 1.0}, nodes, {}) == "no single node has all of {CPU: 4, a: 1} at once"
+    assert not fits_a_node({"CPU": 4.0, "a": 1.0}, nodes) and fits_a_node({"CPU": 2.0, "a": 1.0}, nodes)
     busy = unplaced_reason({"CPU": 2.0, "a": 1.0}, nodes, {"CPU": 6.0})
     assert busy.startswith("nodes with {CPU: 2, a: 1} exist but are busy (free in the whole cluster: {CPU: 6, a: 0})")
 

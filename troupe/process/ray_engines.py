@@ -54,6 +54,7 @@ from troupe.process.protocol import EngineReady
 from troupe.process.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
+    fits_a_node,
     frontend_host,
     rank_bundle,
     rank_resources,
@@ -151,7 +152,7 @@ class RayEngine:
         self._host = frontend_host(nodes, own_node, own_ip)
         self.bundle = rank_bundle(self.num_cpus, getattr(self.config, "device", "cpu"),
                                   rank_resources(self.config, self.engine_index))
-        if not any(all(t.get(k, 0.0) >= v for k, v in self.bundle.items()) for t in totals):
+        if not fits_a_node(self.bundle, totals):
             log.warning("no node can hold this rank's bundle now; waiting for one to join",
                         bundle=self.bundle, reason=unplaced_reason(self.bundle, totals, {}),
                         within_s=self.config.engine_ready_timeout_s)
@@ -214,17 +215,19 @@ class RayEngine:
         ray = self._ray
         from ray.util.placement_group import remove_placement_group
 
-        if self.actor is not None:
+        steps = [("kill the Ray actor", lambda: ray.kill(self.actor, no_restart=True), self.actor),
+                 ("remove the placement group", lambda: remove_placement_group(self._pg), self._pg)]
+        failed = False
+        for what, step, target in steps:
+            if target is None:
+                continue
             try:
-                ray.kill(self.actor, no_restart=True)
+                step()
             except Exception as exc:
-                log.warning("could not kill the Ray actor", error=describe_ray_error(exc))
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception as exc:
-                log.warning("could not remove the placement group", error=describe_ray_error(exc))
-        log.info("Ray actor and placement group removed")
+                failed = True
+                log.warning(f"could not {what}", error=describe_ray_error(exc))
+        if not failed:
+            log.info("Ray actor and placement group removed")
 
 
 class _Started:

@@ -2,7 +2,8 @@
 
 - `rank_bundle`, `rank_resources`, `default_rank_cpus`: one rank's placement group bundle, its extra
   resources and its default CPU count.
-- `unplaced_reason`: why a bundle is not placed, naming the missing resources.
+- `fits_a_node`, `unplaced_reason`: whether a bundle can ever be placed; why it is not, naming the
+  missing resources.
 - `frontend_host`: the address the actors reach the frontend at (loopback on a one-node cluster
   whose node is this one, else this node's IP).
 - `describe_ray_error`: a Ray exception as one line, for `EngineDeadError` / `EngineStartupError`.
@@ -44,14 +45,16 @@ def default_rank_cpus(node_cpus: Sequence[float], num_ranks: int) -> int:
     return max(1, int(min(max(node_cpus), sum(node_cpus) // max(1, num_ranks))))
 
 
+def fits_a_node(bundle: Mapping[str, float], node_totals: Sequence[Mapping[str, float]]) -> bool:
+    """Whether some node has (in total, busy or not) every resource of `bundle`."""
+    return any(all(node.get(name, 0.0) >= amount for name, amount in bundle.items()) for node in node_totals)
+
+
 def unplaced_reason(bundle: Mapping[str, float], node_totals: Sequence[Mapping[str, float]],
                     available: Mapping[str, float]) -> str:
     """Why `bundle` is not placed, in words: the resources no alive node has enough of (with the most
     one has), or that the nodes that could hold it are busy (with what the cluster has free)."""
-    def fits(node: Mapping[str, float]) -> bool:
-        return all(node.get(name, 0.0) >= amount for name, amount in bundle.items())
-
-    if not any(fits(node) for node in node_totals):
+    if not fits_a_node(bundle, node_totals):
         short = []
         for name, amount in bundle.items():
             most = max((node.get(name, 0.0) for node in node_totals), default=0.0)
