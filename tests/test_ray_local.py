@@ -45,10 +45,10 @@ def log_events(srv: ServerProcess) -> list[dict[str, Any]]:
 
 
 def ray_session_dir(driver_pid: int) -> str:
-    """The session dir of the local cluster a driver started (Ray names it after the driver's pid)."""
+    """The session dir of the local cluster another process started: Ray names it after the
+    driver's pid (the newest such dir: an old run's process may have had the same pid)."""
     root = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
-    [path] = glob.glob(os.path.join(root, f"session_*_{driver_pid}"))
-    return path
+    return max(glob.glob(os.path.join(root, f"session_*_{driver_pid}")), key=os.path.getmtime)
 
 
 @pytest.mark.anyio
@@ -108,7 +108,7 @@ async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_l
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     async with AsyncLLM(str(tiny_llama), data_parallel_size=2, data_parallel_backend="ray", num_threads=1,
                         dtype="float32", num_kv_blocks=256, log_stats_interval_s=None) as llm:
-        session = ray_session_dir(os.getpid())
+        session = ray._private.worker._global_node.get_session_dir_path()  # this process's connection
         owners = [t for t in threading.enumerate() if t.name == "troupe-ray-session"]
         workers = {t for t in threading.enumerate() if t.name.startswith("AnyIO worker thread")}
         assert workers  # the start ran Ray's blocking calls in them
