@@ -11,7 +11,7 @@ import msgspec
 from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KERNEL_SETS = ("auto", "eager")  # troupe.kernels.select: "auto" takes the best set this machine runs
+KERNEL_SETS = ("auto", "eager", "cpu")  # troupe.kernels.select: "auto" takes the best set this machine runs
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
