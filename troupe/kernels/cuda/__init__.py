@@ -1,0 +1,14 @@
+"""Triton kernels for the CUDA path, one op per module, each with its launcher and a torch reference.
+
+- `cache_write`: `reshape_and_cache` (the KV write) and `kv_cache_shape` (the pool layout);
+- `rotary`: `rotary_embedding` (in place, neox or GPT-J pairs);
+- `rms_norm`: `rms_norm`, `fused_add_rms_norm`;
+- `activation`: `silu_and_mul`;
+- `attention`: `paged_attention` over `attention_prefill` (tiled, causal, chunks after cached context)
+  and `attention_decode` (GQA-grouped split-K with a reduce kernel);
+- `sampling`: temperature / min-p / top-k / top-p / greedy on device tensors (torch).
+
+Launchers check metadata only (no host sync) and run on CUDA tensors, or on CPU tensors under
+`TRITON_INTERPRET=1` (how CI checks them; it must be set before this package is imported).
+See docs/kernels.md, "Triton kernels (CUDA)".
+"""
