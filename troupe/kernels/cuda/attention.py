@@ -63,9 +63,10 @@ def prefill_meta(max_query_len: int, G: int, D: int, block_size: int, f32: bool)
     """Constexprs and launch options of `prefill_attention_kernel` (shared with the AOT check).
 
     M rows = query tokens x group heads: 128-row tiles (8 warps) for long chunks, 64 for medium ones,
-    16-32 when every sequence brings few tokens (mixed batches of decodes and short chunks)."""
+    16-32 when every sequence brings few tokens (mixed batches of decodes and short chunks). float32
+    dots run on the FMA units, not the tensor cores: at most 64 rows there."""
     rows = max_query_len * G
-    if rows >= 128 and D <= 128:
+    if rows >= 128 and D <= 128 and not f32:
         block_m, warps = 128, 8
     else:
         block_m, warps = (64 if rows >= 64 else max(16, triton.next_power_of_2(rows))), 4
