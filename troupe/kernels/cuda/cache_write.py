@@ -86,9 +86,9 @@ def reshape_and_cache(
     T, KVH, D = key.shape
     NB, _, BS, _ = k_cache.shape
     check(value.shape == key.shape, f"value: shape must be {tuple(key.shape)} (key's), got {tuple(value.shape)}")
-    check(tuple(k_cache.shape) == kv_cache_shape(NB, BS, KVH, D),
-          f"k_cache: shape must be {kv_cache_shape(NB, BS, KVH, D)} (num_blocks, num_kv_heads, block_size, "
-          f"head_dim), got {tuple(k_cache.shape)}")
+    check(k_cache.shape[1] == KVH and k_cache.shape[3] == D,
+          f"k_cache: shape must be (num_blocks, {KVH}, block_size, {D}), i.e. (num_blocks, num_kv_heads, "
+          f"block_size, head_dim), got {tuple(k_cache.shape)}")
     check(v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(),
           f"v_cache: shape and strides must match k_cache's {tuple(k_cache.shape)} / {k_cache.stride()}")
     check(k_cache.dtype == v_cache.dtype == key.dtype == value.dtype,
