@@ -189,13 +189,13 @@ def paged_attention_reference(
         n = starts[s + 1] - starts[s]
         if n == 0 or ctx == 0:
             continue
-        pos = torch.arange(ctx)
+        pos = torch.arange(ctx, device=q.device)
         blocks = block_tables[s].long()[pos // BS]  # (ctx,)
         keys = k_cache[blocks, :, pos % BS].double().repeat_interleave(H // KVH, dim=1)  # (ctx, H, D)
         vals = v_cache[blocks, :, pos % BS].double().repeat_interleave(H // KVH, dim=1)
         qs = q[starts[s] : starts[s + 1]].double()  # (n, H, D)
         scores = torch.einsum("ihd,khd->hik", qs, keys) * scale  # (H, n, ctx)
-        visible = pos[None, :] <= torch.arange(ctx - n, ctx)[:, None]  # (n, ctx)
+        visible = pos[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]  # (n, ctx)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[starts[s] : starts[s + 1]] = torch.einsum("hik,khd->ihd", probs, vals).to(q.dtype)
     return out
