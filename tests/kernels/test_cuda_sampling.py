@@ -33,6 +33,8 @@ FILTERS = {
     "top_k_every_row": [SamplingParams(temperature=1.0, top_k=k) for k in (1, 5, 50, 4000)],
     "top_k_some_rows": [SamplingParams(temperature=1.0, top_k=k) for k in (0, 7, -1, 300)],
     "top_p": [SamplingParams(temperature=1.0, top_p=p) for p in (0.1, 0.5, 0.9, 0.99)],
+    "top_k_then_top_p": [SamplingParams(temperature=1.0, top_k=k, top_p=p)  # top-p over the top-k survivors
+                         for k, p in ((5, 0.5), (100, 0.3), (20, 0.9), (2000, 0.7))],
     "all_filters": [SamplingParams(temperature=0.9, top_k=k, top_p=p, min_p=m)
                     for k, p, m in ((40, 0.9, 0.05), (0, 0.8, 0.0), (1000, 0.95, 0.01), (3, 1.0, 0.5))],
 }
