@@ -16,7 +16,7 @@ from troupe.core.sampler import Sampler, SamplingRow
 from troupe.kernels.cuda.activation import silu_and_mul, silu_and_mul_reference
 from troupe.kernels.cuda.attention import paged_attention, paged_attention_reference
 from troupe.kernels.cuda.cache_write import kv_cache_shape, reshape_and_cache, reshape_and_cache_reference
-from troupe.kernels.cuda.rms_norm import (
+from troupe.kernels.cuda.norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_reference,
     rms_norm,

@@ -45,7 +45,7 @@ def variants() -> list[Variant]:
         attention_decode,
         attention_prefill,
         cache_write,
-        rms_norm,
+        norm,
         rotary,
     )
 
@@ -67,9 +67,9 @@ def variants() -> list[Variant]:
                                dict(positions="*i64", query=p, key=p, cos_sin_cache="*fp32"),
                                rotary.rotary_embedding_meta(H, KVH, D, is_neox=shape == "small")))
             for fused in (False, True):
-                out.append(Variant(f"rms_norm{'-fused' if fused else ''}-{tag}", rms_norm.rms_norm_kernel,
+                out.append(Variant(f"rms_norm{'-fused' if fused else ''}-{tag}", norm.rms_norm_kernel,
                                    dict(x=p, residual=p, weight=p, out=p, eps="fp32"),
-                                   rms_norm.rms_norm_meta(hidden, fused)))
+                                   norm.rms_norm_meta(hidden, fused)))
             out.append(Variant(f"silu_and_mul-{tag}", activation.silu_and_mul_kernel, dict(x=p, out=p),
                                activation.silu_and_mul_meta(f)))
             attn = dict(q=p, k_cache=p, v_cache=p, out=p, query_start_loc="*i64", seq_lens="*i64",
