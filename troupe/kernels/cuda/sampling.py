@@ -12,7 +12,7 @@ Same semantics as `troupe.core.sampler.Sampler` (vLLM's order, `shared/reference
 
 Draws: the uniform numbers `u` are drawn on the host, one per random row in batch order, from the
 request's own `torch.Generator` when it has a seed and from the shared one otherwise, exactly as
-`Sampler` does; they travel to the device with the other parameters (one small copy). So a seeded
+`Sampler` does; they travel to the device packed with the other parameters (a few small copies). So a seeded
 request gets the same tokens from the same logits on either device, and never depends on its batch.
 Flags the host already knows (all greedy, any top-k, ...) pick the work without a device read.
 """
@@ -48,7 +48,7 @@ class SamplingTensors:
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab: int, generator: torch.Generator,
               device: torch.device | str) -> SamplingTensors:
-        """Host-side: read the rows' parameters, draw their uniforms, copy once to `device`."""
+        """Host-side: read the rows' parameters, draw their uniforms, copy them to `device` (packed)."""
         S = len(rows)
         params = [r.params for r in rows]
         greedy = [p.greedy for p in params]
