@@ -9,6 +9,7 @@
 | wrong type / unknown field (`ValidationError`)| 400    | invalid_request_error   |
 | `InvalidInputError` / other `ValueError`      | 400    | invalid_request_error   |
 | `EngineDeadError`                             | 503    | service_unavailable     |
+| `EngineGenerateError` (one request failed)    | 500    | internal_server_error   |
 | anything else                                 | 500    | internal_server_error   |
 
 `param` names the offending field when one is known (`InvalidInputError.field`, the JSON path of
@@ -21,7 +22,7 @@ import re
 
 import msgspec
 
-from troupe.errors import EngineDeadError, InvalidInputError
+from troupe.errors import EngineDeadError, EngineGenerateError, InvalidInputError
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]+)`")
@@ -74,6 +75,8 @@ def to_api_error(exc: BaseException) -> APIError:
         case EngineDeadError():
             return APIError(503, f"the engine is dead and cannot serve requests: {exc}",
                             type="service_unavailable", code="engine_dead")
+        case EngineGenerateError():  # finish_reason "error": this request alone failed; the engine serves on
+            return APIError(500, str(exc), type="internal_server_error", code="request_failed")
         case _:
             return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
                             type="internal_server_error")

@@ -11,7 +11,7 @@ Defaults follow vLLM: completions `max_tokens=16`; chat `max_tokens=None` (up to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -256,7 +256,3 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     model: str | None = None
     tokens: list[int]
 
-
-def usage(prompt_tokens: int, completion_tokens: int) -> Mapping[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
