@@ -25,7 +25,7 @@ import msgspec
 from troupe.errors import EngineDeadError, EngineGenerateError, InvalidInputError
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]+)`")
+_FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`")
 
 
 class APIError(Exception):
@@ -54,8 +54,8 @@ def _msgspec_param(message: str) -> str | None:
     m = _AT.search(message)
     path = m.group("path") if m else ""
     field = _FIELD.search(message)
-    if field:
-        path = f"{path}.{field.group('name')}" if path else field.group("name")
+    if field:  # the name may be "" (a body with an empty key): still the field to name
+        return f"{path}.{field.group('name')}" if path else field.group("name")
     return path or None
 
 
