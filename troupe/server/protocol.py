@@ -102,7 +102,7 @@ PromptItem = str | TokenId | list[TokenId]
 class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/completions`: a prompt (text or token ids) or a batch of them."""
 
-    prompt: str | list[PromptItem]
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[PromptItem], Meta(min_length=1)]
     max_tokens: PositiveInt | None = 16
     best_of: int | None = None
     echo: bool = False
@@ -151,7 +151,7 @@ _ROLES = ("system", "developer", "user", "assistant")
 class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/chat/completions`: a conversation rendered by the model's chat template."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = True
