@@ -136,3 +136,28 @@ async def test_a_field_changed_after_construction_is_checked_at_submission(fault
             pass
     assert info.value.field == "temperature"
     await faulty_llm.check_health()
+
+
+async def test_text_that_cannot_cross_the_boundary_is_refused(faulty_llm: AsyncLLM) -> None:
+    """A lone surrogate in a prompt, a request id or a stop string (valid Python, not UTF-8: it
+    would fail to encode on its way to the engine), and a chat template that raises, are each an
+    InvalidInputError naming the field; the engine is untouched."""
+    async def refused(field: str, **kw: Any) -> None:
+        with pytest.raises(InvalidInputError) as info:
+            if "messages" in kw:
+                async for _ in faulty_llm.chat(kw.pop("messages"), greedy(2), **kw):
+                    pass
+            else:
+                async for _ in faulty_llm.generate(kw.pop("prompt", "hi"), kw.pop("params", greedy(2)), **kw):
+                    pass
+        assert info.value.field == field
+
+    await refused("prompt", prompt="bad \udc80 text")
+    await refused("request_id", request_id="id-\ud800")
+    with pytest.raises(InvalidInputError) as info:
+        SamplingParams(stop=["fine", "bad\ud800"])
+    assert info.value.field == "stop"
+    await refused("messages", messages=[{"role": "user", "content": "hi"}],
+                  chat_template="{{ raise_exception('this template refuses everything') }}")
+    await faulty_llm.check_health()
+    await assert_idle(faulty_llm)

@@ -85,8 +85,8 @@ def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: b
         text = tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template)
-    except ValueError as exc:  # no template, or a template error
-        raise InvalidInputError("messages", f"chat template failed: {exc}") from exc
+    except Exception as exc:  # no template, or the template refused the conversation (jinja2's TemplateError)
+        raise InvalidInputError("messages", f"chat template failed: {type(exc).__name__}: {exc}") from exc
     return str(text)
 
 

@@ -172,7 +172,18 @@ def _string_list(field: str, value: Any) -> list[str]:
     for s in items:
         if not isinstance(s, str) or not s:
             raise InvalidInputError(field, f"stop strings must be non-empty strings, got {s!r}")
+        if not s.isascii():
+            check_utf8(field, s)
     return list(items)
+
+
+def check_utf8(field: str, text: str) -> None:
+    """A string that can cross the engine boundary: UTF-8, so no lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(field, f"must be valid Unicode text (no lone surrogates): {exc.reason} at "
+                                f"position {exc.start} of {text!r}") from None
 
 
 def _int_list(field: str, value: Any) -> list[int]:

@@ -35,7 +35,7 @@ from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
 from troupe.outputs import RequestOutput
-from troupe.sampling_params import SamplingParams
+from troupe.sampling_params import SamplingParams, check_utf8
 
 
 class AsyncLLM(anyio.AsyncContextManagerMixin):
@@ -126,8 +126,10 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
                           chat_template: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
         """Submit one request; returns its stream, or raises the validation error."""
         graph = self._running_graph()
-        if request_id is not None and not isinstance(request_id, str):
-            raise InvalidInputError("request_id", f"must be a string, got {request_id!r}")
+        if request_id is not None:
+            if not isinstance(request_id, str):
+                raise InvalidInputError("request_id", f"must be a string, got {request_id!r}")
+            check_utf8("request_id", request_id)
         assert graph.submit is not None
         sub = Submission(external_id=request_id if request_id is not None else next_request_id(),
                          params=params if params is not None else SamplingParams(),
