@@ -38,7 +38,7 @@ from server_process import ServerProcess
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
-EXAMPLES = 500
+EXAMPLES = 400
 HEALTH_EVERY = 25
 CHECKS = [status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]

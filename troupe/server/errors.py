@@ -24,6 +24,8 @@ import msgspec
 
 from troupe.errors import EngineDeadError, EngineGenerateError, InvalidInputError
 
+# engine-side field names -> the request field a client sent (token-id prompts arrive as `prompt`)
+_PARAM_NAMES = {"prompt_token_ids": "prompt"}
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`")
 
@@ -69,7 +71,7 @@ def to_api_error(exc: BaseException) -> APIError:
         case msgspec.DecodeError():
             return bad_request(None, f"the request body is not valid JSON: {exc}")
         case InvalidInputError():
-            return bad_request(exc.field, str(exc))
+            return bad_request(_PARAM_NAMES.get(exc.field, exc.field), str(exc))
         case ValueError():
             return bad_request(None, str(exc))
         case EngineDeadError():
