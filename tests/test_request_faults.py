@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+from structlog.testing import capture_logs
 from test_async_llm import ENGINE, assert_idle
 
 from troupe import AsyncLLM, InvalidInputError, RequestOutput, RequestOutputKind, SamplingParams
@@ -89,10 +90,17 @@ async def test_one_failed_request_among_many_finished(faulty_llm: AsyncLLM, pois
 
 async def test_a_failure_after_the_stream_started(tiny_llama: Path, check_leftovers: Any) -> None:
     """`fail_after_tokens`: the poisoned stream gets its first tokens, then a final error output
-    (the other request finishes); the engine serves the next request."""
+    (the other request finishes); the error reaches the canonical "request finished" line and a
+    "request failed" line with the traceback; the engine serves the next request."""
     faults = "fail_sampling=late,fail_after_tokens=3"
     async with AsyncLLM(str(tiny_llama), fault_injection=faults, multiprocess=False, **ENGINE) as llm:
-        got = await run(llm, {"late": greedy(10), "fine": greedy(10)})
+        with capture_logs() as logs:
+            got = await run(llm, {"late": greedy(10), "fine": greedy(10)})
+        finished = {e["request_id"]: e for e in logs if e["event"] == "request finished"}
+        assert finished["late"]["finish_reason"] == "error" and "injected sampling failure" in finished["late"]["error"]
+        assert finished["fine"]["finish_reason"] == "length" and "error" not in finished["fine"]
+        failed = [e for e in logs if e["event"] == "request failed"]
+        assert [e["request_id"] for e in failed] == ["late"] and failed[0]["exc_info"] is not None
         late = got["late"]
         assert tokens(late) and len(tokens(late)) == 3
         assert late[-1].outputs[0].finish_reason == "error" and "injected sampling failure" in (late[-1].error or "")
@@ -161,3 +169,15 @@ async def test_text_that_cannot_cross_the_boundary_is_refused(faulty_llm: AsyncL
                   chat_template="{{ raise_exception('this template refuses everything') }}")
     await faulty_llm.check_health()
     await assert_idle(faulty_llm)
+
+
+async def test_leaving_the_context_raises_the_body_error_itself(tiny_llama: Path) -> None:
+    """An exception raised inside `async with AsyncLLM(...)` comes out as itself, not wrapped in
+    an ExceptionGroup by the graph's task groups."""
+    class Mine(Exception):
+        pass
+
+    with pytest.raises(Mine):
+        async with AsyncLLM(str(tiny_llama), multiprocess=False, **ENGINE) as llm:
+            await run(llm, {"x": greedy(2)})
+            raise Mine
