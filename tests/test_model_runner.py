@@ -120,8 +120,9 @@ def test_decode_row_cache_keeps_rows_only_across_consecutive_decodes(tiny_models
     with the same logits."""
     folder, ref = tiny_models["llama"]
     runner = runner_for(folder, 4)
+    rows = runner.kernels.rows
     if row_cache_bytes is not None:
-        runner.row_cache_bytes = row_cache_bytes
+        rows.budget_bytes = row_cache_bytes
     blocks = BlockTables(runner.num_blocks, 4, seed=3)
     tables = [blocks.grow([], len(s)) for s in SEQS]
     runner.execute([ScheduledSeq(str(i), SEQS[i][:2], 0, tables[i], True) for i in range(4)])
@@ -133,25 +134,26 @@ def test_decode_row_cache_keeps_rows_only_across_consecutive_decodes(tiny_models
         for i in decoding:
             done[i] += 1
         if row_cache_bytes == 0:
-            assert runner._row_of == {} and runner._row_k == []
+            assert rows.row_of == {} and rows.k == []
             continue
-        assert sorted(runner._row_of) == sorted(str(i) for i in decoding)
-        assert all(held == done[int(r)] for r, (_, held) in runner._row_of.items())
+        assert sorted(rows.row_of) == sorted(str(i) for i in decoding)
+        assert all(held == done[int(r)] for r, (_, held) in rows.row_of.items())
     if row_cache_bytes is None:
-        rows = {r: row for r, (row, _) in runner._row_of.items()}
-        assert rows == {"0": 0, "3": 2, "1": 3}  # 0 and 3 kept theirs since the first decode; 1 came back
+        held = {r: row for r, (row, _) in rows.row_of.items()}
+        assert held == {"0": 0, "3": 2, "1": 3}  # 0 and 3 kept theirs since the first decode; 1 came back
 
 
 def test_decodes_longer_than_a_row_gather_beside_row_decodes(tiny_models, monkeypatch):
     """Rows 4 positions long: decodes whose context fits use rows, longer ones gather from the pool in the
     same step, all with transformers' logits; rows are only cleaned up to the longest row decode, and a
     sequence that outgrows its row moves to the gather path."""
-    import troupe.core.model_runner as mr
+    import troupe.kernels.eager.rows as rows_mod
 
-    monkeypatch.setattr(mr, "ROW_LEN_STEP", 2)
+    monkeypatch.setattr(rows_mod, "ROW_LEN_STEP", 2)
     folder, ref = tiny_models["llama"]
     runner = runner_for(folder, 4)
-    runner.row_cache_bytes = runner.max_num_seqs * 4 * runner.kv_bytes_per_token
+    rows = runner.kernels.rows
+    rows.budget_bytes = runner.max_num_seqs * 4 * runner.kv_bytes_per_token
     blocks = BlockTables(runner.num_blocks, 4, seed=5)
     seqs = [0, 1, 3]
     tables = {i: blocks.grow([], len(SEQS[i])) for i in seqs}
@@ -162,19 +164,19 @@ def test_decodes_longer_than_a_row_gather_beside_row_decodes(tiny_models, monkey
         logits = runner.execute([ScheduledSeq(str(i), [SEQS[i][done[i]]], done[i], tables[i], True) for i in seqs])
         torch.testing.assert_close(logits, torch.stack([ref[i][done[i]] for i in seqs]), atol=1e-4, rtol=1e-4)
         done = {i: d + 1 for i, d in done.items()}
-        assert set(runner._row_of) == {str(i) for i in seqs if done[i] <= 4}
-        cleaned.append(runner._rows_clean)
-    assert runner._row_k[0].shape[2] == 4
-    assert cleaned == [4, 4, 4, 4, 4] and runner._row_of == {}
+        assert set(rows.row_of) == {str(i) for i in seqs if done[i] <= 4}
+        cleaned.append(rows.clean)
+    assert rows.k[0].shape[2] == 4
+    assert cleaned == [4, 4, 4, 4, 4] and rows.row_of == {}
 
 
 def test_rows_are_sorted_by_length_when_that_reads_much_less(tiny_models, monkeypatch):
     """Decodes join one by one and take rows in arrival order (long, short, long, short); once sorting by
     context length reads much less (groups of 2 rows), kept rows are moved into length
     order, and the logits stay transformers' in that step and the next ones (read from the moved rows)."""
-    import troupe.core.model_runner as mr
+    import troupe.kernels.eager.rows as rows_mod
 
-    monkeypatch.setattr(mr, "ROW_GROUP", 2)
+    monkeypatch.setattr(rows_mod, "ROW_GROUP", 2)
     folder, ref = tiny_models["llama"]
     runner = runner_for(folder, 4)
     blocks = BlockTables(runner.num_blocks, 4, seed=7)
@@ -188,7 +190,7 @@ def test_rows_are_sorted_by_length_when_that_reads_much_less(tiny_models, monkey
         torch.testing.assert_close(logits, torch.stack([ref[i][done[i]] for i in decoding]), atol=1e-4, rtol=1e-4)
         for i in decoding:
             done[i] += 1
-        assert {int(r): row for r, (row, _) in runner._row_of.items()} == rows
+        assert {int(r): row for r, (row, _) in runner.kernels.rows.row_of.items()} == rows
 
 
 def test_shared_prefix_blocks_are_reused(tiny_models):

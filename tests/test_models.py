@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from troupe.core.batch import ScheduledSeq
 from troupe.errors import ModelLoadError
-from troupe.kernels.attention import AttentionMetadata
+from troupe.kernels import KVSpec
 from troupe.models import default_model
 from troupe.models.loader import load_model, load_tokenizer, read_model_info, resolve_model_path
 from troupe.models.testing import make_tiny_model
@@ -30,29 +31,19 @@ def hf_logits(folder: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def troupe_all_logits(folder: Path, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
-    """All prompts in one flattened step straight through `LlamaModel`, logits at every position."""
+    """All prompts in one flattened step straight through `LlamaModel` and its (eager) kernel set, logits at
+    every position."""
     model, info = load_model(folder, "float32")
     need = [-(-len(p) // block_size) for p in prompts]
     tables = [list(range(sum(need[:i]), sum(need[: i + 1]))) for i in range(len(prompts))]
-    pool = (sum(need), block_size, info.num_kv_heads, info.head_dim)
-    kv = [(torch.zeros(pool), torch.zeros(pool)) for _ in range(info.num_layers)]
-    width = max(need)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(
-            [
-                t[p // block_size] * block_size + p % block_size
-                for t, pr in zip(tables, prompts, strict=True)
-                for p in range(len(pr))
-            ]
-        ),
-        query_start_loc=torch.tensor([0] + [len(p) for p in prompts]).cumsum(0),
-        seq_lens=torch.tensor([len(p) for p in prompts]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-    )
-    ids = torch.tensor([t for p in prompts for t in p])
-    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    ops = model.ops
+    kv = ops.allocate_kv(KVSpec(num_layers=info.num_layers, num_blocks=sum(need), block_size=block_size,
+                                num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=torch.float32,
+                                max_model_len=info.max_model_len, max_num_seqs=len(prompts)))
+    batch = ops.prepare([ScheduledSeq(str(i), p, 0, t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))],
+                        block_size)
     with torch.inference_mode():
-        return model.compute_logits(model(ids, pos, kv, meta))
+        return model.compute_logits(model(batch.input_ids, batch.positions, kv, batch.meta))
 
 
 TINY_VARIANTS = {

@@ -14,6 +14,7 @@ from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
+KERNEL_SETS = ("auto", "eager", "cpu")  # troupe.kernels.select: "auto" takes the best set this machine runs
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -25,7 +26,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
-    decode_row_cache_bytes: int | None = None  # decode attention's contiguous K/V rows; None: 2x the pool; 0: off
+    decode_row_cache_bytes: int | None = None  # eager decode attention's contiguous K/V rows; None: 2x the pool; 0: off
+    kernels: str = "auto"  # the kernel set (troupe.kernels): "auto", or a name from KERNEL_SETS
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -60,6 +62,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not isinstance(value, int) or value < lo:
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {value!r}")
+        if self.kernels not in KERNEL_SETS:
+            raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {self.kernels!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -1,14 +1,19 @@
 """`LlamaModel`: the Llama / Mistral / Qwen2 decoder over a flattened batch and a paged KV cache.
 
+The model is a plain description of the architecture; its heavy ops (projections, norms, rotary + KV
+write, attention, SiLU x up) come from the `KernelSet` it is bound to (`bind`), chosen per device when
+the model loads (`troupe.kernels.select_kernels`).
+
 Contract of `forward(input_ids, positions, kv_caches, meta)`:
 - `input_ids`, `positions`: (T,) the new tokens of every scheduled sequence, concatenated, no padding;
-- `kv_caches[layer]` = (k_pool, v_pool), each `(num_blocks, block_size, num_kv_heads, head_dim)`, written
-  in place at `meta.slot_mapping` (see `troupe.kernels.attention`);
+- `kv_caches[layer]` = (k_pool, v_pool) from `KernelSet.allocate_kv`, written in place at
+  `meta.slot_mapping`;
 - returns the final hidden states (T, hidden); `compute_logits` turns the rows that need a token into
-  (N, vocab) logits, so the 49k-wide head only runs where a token is sampled.
+  (N, vocab) float32 logits, so the vocabulary-wide head only runs where a token is sampled.
 
-CPU speed: q/k/v and gate/up are fused into one matmul each at load time (`load_weights`), rotary
-cos/sin come from a table built once, and everything runs under `torch.inference_mode()` (the caller's).
+The residual stream follows vLLM's layout: each layer takes (hidden, residual) and starts with a fused
+residual add + RMSNorm, so a kernel set can do the add and the norm in one pass. q/k/v and gate/up are
+fused into one projection each at load time (`load_weights`); the rotary table is built once.
 """
 
 from __future__ import annotations
@@ -17,11 +22,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from troupe.kernels.attention import AttentionMetadata, paged_attention
-from troupe.kernels.linear import Linear, packing_supported
+from troupe.kernels.base import AttentionMetadata, KernelSet, LayerKV, LinearOp
+from troupe.kernels.reference import rope_cache
 from troupe.models.arch import ModelArch
 
 WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]  # (HF name, expected shape) -> tensor
@@ -55,18 +59,12 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary (HF layout): x (T, n, D), cos/sin (T, 1, D/2)."""
-    x1, x2 = x.chunk(2, dim=-1)  # (T, n, D/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, n, D)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         h, f, qkv = arch.hidden_size, arch.intermediate_size, arch.q_size + 2 * arch.kv_size
         self.arch = arch
-        self.index = index  # which layer: picks its tensors in a decode row cache
+        self.index = index  # which layer: a kernel set may keep per-layer state (e.g. decode rows)
         self.scale = arch.head_dim**-0.5
         self.input_norm = _param(h, dtype=dtype)
         self.post_norm = _param(h, dtype=dtype)
@@ -78,35 +76,44 @@ class DecoderLayer(nn.Module):
         self.gate_up_b = _bias(arch.mlp_bias, 2 * f, dtype)
         self.down_w = _param(h, f, dtype=dtype)
         self.down_b = _bias(arch.mlp_bias, h, dtype)
-        self.qkv = Linear(self.qkv_w, self.qkv_b)
-        self.o_proj = Linear(self.o_w, self.o_b)
-        self.gate_up = Linear(self.gate_up_w, self.gate_up_b)
-        self.down = Linear(self.down_w, self.down_b)
+        self.qkv: LinearOp = _unbound
+        self.o_proj: LinearOp = _unbound
+        self.gate_up: LinearOp = _unbound
+        self.down: LinearOp = _unbound
 
-    def linears(self) -> tuple[Linear, ...]:
-        return self.qkv, self.o_proj, self.gate_up, self.down
+    def bind(self, ops: KernelSet) -> None:
+        """Hand the loaded projections to the kernel set (which may take their storage over)."""
+        self.ops = ops
+        self.qkv = ops.linear(self.qkv_w, self.qkv_b)
+        self.o_proj = ops.linear(self.o_w, self.o_b)
+        self.gate_up = ops.linear(self.gate_up_w, self.gate_up_b)
+        self.down = ops.linear(self.down_w, self.down_b)
 
     def forward(
         self,
-        x: torch.Tensor,  # (T, hidden) residual stream
-        cos: torch.Tensor,  # (T, 1, D/2)
-        sin: torch.Tensor,  # (T, 1, D/2)
-        kv: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,  # (T, hidden): the previous layer's output (the embedding for layer 0)
+        residual: torch.Tensor | None,  # (T, hidden): the residual stream before x was added; None at layer 0
+        positions: torch.Tensor,  # (T,)
+        rope: torch.Tensor,  # (max_pos, D) float32 cos | sin
+        kv: LayerKV,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        a, eps = self.arch, self.arch.rms_norm_eps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream it is to be added to)."""
+        a, eps, ops = self.arch, self.arch.rms_norm_eps, self.ops
         T = x.shape[0]
-        h = F.rms_norm(x, (a.hidden_size,), self.input_norm, eps)  # (T, hidden)
+        if residual is None:
+            h, residual = ops.rms_norm(x, self.input_norm, eps), x  # (T, hidden) each
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
         qkv = self.qkv(h)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)  # (T, H, D)
-        k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)  # (T, KVH, D)
+        q = q.view(T, a.num_heads, a.head_dim)  # (T, H, D)
+        k = k.view(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
         v = v.reshape(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.index)  # (T, H, D)
-        x = x + self.o_proj(o.view(T, a.q_size))  # (T, hidden)
-        h = F.rms_norm(x, (a.hidden_size,), self.post_norm, eps)  # (T, hidden)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)  # (T, f) each
-        return x + self.down(F.silu(gate) * up)  # (T, hidden)
+        q, k = ops.rope_and_cache(positions, q, k, v, rope, kv, meta)
+        o = ops.attention(q, k, v, kv, meta, self.scale, self.index)  # (T, H, D)
+        h, residual = ops.add_rms_norm(self.o_proj(o.reshape(T, a.q_size)), residual, self.post_norm, eps)
+        return self.down(ops.silu_and_mul(self.gate_up(h))), residual  # (T, hidden) each
 
 
 class LlamaModel(nn.Module):
@@ -120,45 +127,41 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             self.embed if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         )
-        self.head = Linear(self.lm_head)
-        n = max_len or arch.max_position_embeddings
-        angles = torch.outer(torch.arange(n, dtype=torch.float64), rope_inv_freq(arch))  # (n, D/2)
-        self.register_buffer("cos_table", angles.cos().to(dtype), persistent=False)  # (n, D/2)
-        self.register_buffer("sin_table", angles.sin().to(dtype), persistent=False)  # (n, D/2)
+        self.register_buffer("rope_cache", rope_cache(rope_inv_freq(arch), max_len or arch.max_position_embeddings),
+                             persistent=False)  # (max_len, D) float32
+        self.head: LinearOp = _unbound
+        self.embedding: Callable[[torch.Tensor], torch.Tensor] = _unbound
+
+    def bind(self, ops: KernelSet) -> None:
+        """Once the weights are loaded: hand every projection, the embedding and the LM head to the kernel
+        set, which may take their storage over (so `load_weights` cannot run again afterwards). A tied LM
+        head gets its own copy, since the embedding lookup still needs the table."""
+        self.ops = ops
+        if ops.device.type != "cpu":
+            self.to(ops.device)
+        self.embedding = ops.embedding(self.embed)
+        self.head = ops.linear(self.embed.detach().clone() if self.arch.tie_word_embeddings else self.lm_head)
+        for layer in self.layers:
+            layer.bind(ops)  # type: ignore[operator]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)  # (T, hidden)
-        cos_table: torch.Tensor = self.cos_table  # type: ignore[assignment]  # a registered buffer
-        sin_table: torch.Tensor = self.sin_table  # type: ignore[assignment]
-        cos = cos_table[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = sin_table[positions].unsqueeze(1)  # (T, 1, D/2)
+        rope: torch.Tensor = self.rope_cache  # type: ignore[assignment]  # a registered buffer
+        x = self.embedding(input_ids)  # (T, hidden)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
-        return F.rms_norm(x, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)  # (T, hidden)
+            x, residual = layer(x, residual, positions, rope, kv, meta)
+        assert residual is not None, "a model has at least one layer"
+        return self.ops.add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""
         return self.head(hidden).float()
-
-    def pack_weights(self) -> bool:
-        """Once the weights are loaded: hand every projection and the LM head to oneDNN in its packed
-        layout where that is supported (`troupe.kernels.linear`); returns whether it did. The dense
-        copies are released, so `load_weights` cannot run again afterwards. A tied LM head gets its own
-        packed copy (the embedding lookup still needs the dense table)."""
-        if not packing_supported(self.dtype):
-            return False
-        if self.arch.tie_word_embeddings:
-            self.head = Linear(self.embed.detach().clone())
-        for layer in self.layers:
-            for lin in layer.linears():  # type: ignore[operator]
-                lin.pack()
-        return self.head.pack()
 
     def load_weights(self, get: WeightGetter) -> None:
         """Fill every parameter from HF-named tensors; `get(name, shape)` returns one checked tensor."""
@@ -170,6 +173,10 @@ class LlamaModel(nn.Module):
                 self.lm_head.copy_(get("lm_head.weight", (a.vocab_size, a.hidden_size)))
             for i, layer in enumerate(self.layers):
                 _load_layer(layer, f"{p}layers.{i}.", a, get)  # type: ignore[arg-type]
+
+
+def _unbound(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the model is not bound to a kernel set yet (LlamaModel.bind)")
 
 
 def _load_layer(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) -> None:

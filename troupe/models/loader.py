@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from troupe.errors import ModelLoadError
+from troupe.kernels.base import KernelSet
 from troupe.models.arch import ModelArch
 from troupe.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from troupe.models.llama import LlamaModel
@@ -109,15 +110,20 @@ def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "auto", max_len: int | None = None
+    path: str | Path, dtype: str | torch.dtype = "auto", max_len: int | None = None,
+    kernels: KernelSet | None = None,
 ) -> tuple[LlamaModel, ModelInfo]:
-    """Build the model for the folder and load its weights (then packed for oneDNN where supported,
-    `LlamaModel.pack_weights`); `max_len` bounds the rotary table."""
+    """Build the model for the folder, load its weights and bind it to `kernels` (default: the eager
+    set), which takes the weights over in the form it computes with; `max_len` bounds the rotary table."""
     info = read_model_info(Path(path), dtype)
     model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
     with _WeightFiles(Path(path)) as weights:
         model.load_weights(weights.get)
-    model.pack_weights()
+    if kernels is None:
+        from troupe.kernels.eager import EagerKernels
+
+        kernels = EagerKernels()
+    model.bind(kernels)
     return model.eval(), info
 
 

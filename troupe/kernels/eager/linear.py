@@ -7,10 +7,9 @@ same packing PyTorch's own CPU compiler uses) and drops the dense one, so memory
 that the weight can no longer be read as a tensor. A weight that cannot be packed (bfloat16 on a CPU
 without avx512 / avx_ne_convert, a build without oneDNN) stays dense and keeps `F.linear`.
 
-Why (measured on this 2-core AVX2 machine, docs/benchmarks.md): at the decode batch sizes (M = 1..64)
-MKL's sgemm behind `F.linear` reaches 35-60 GFLOP/s on the wide matrices (the 49k-row LM head, the
-3072-row gate/up), the packed oneDNN kernel 100+ (LM head at M = 64: 94 ms -> 37 ms); at prefill sizes
-(M = 1024) the two are within noise of each other.
+Why: at decode batch sizes (a few to a few dozen rows) MKL's sgemm behind `F.linear` runs the wide
+matrices (the LM head, gate/up) well below the machine's peak, and oneDNN's packed kernel runs them
+much faster; at prefill sizes the two are level (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

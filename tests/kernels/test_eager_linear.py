@@ -1,4 +1,4 @@
-"""troupe.kernels.linear: the packed oneDNN projection gives F.linear's answer and releases the dense copy."""
+"""troupe.kernels.eager.linear: the packed oneDNN projection gives F.linear's answer and releases the dense copy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from troupe.kernels.linear import Linear, packing_supported
+from troupe.kernels.eager.linear import Linear, packing_supported
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.float32), reason="no oneDNN packing on this build")
 

@@ -1,12 +1,14 @@
-"""Paged attention: the torch fast path against the plain per-token reference on irregular shapes."""
+"""The eager kernel set's paged attention (and its rotary + KV write) against the plain references on
+irregular shapes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from troupe.kernels import attention
-from troupe.kernels.attention import AttentionMetadata, DecodeRows, paged_attention, paged_attention_reference
+from troupe.kernels import reference
+from troupe.kernels.eager import EagerKernels, attention
+from troupe.kernels.eager.attention import DecodeRows, EagerMetadata, paged_attention
 
 torch.set_num_threads(1)
 
@@ -16,7 +18,8 @@ MIXED = [(0, 7), (5, 1), (13, 4), (0, 1), (30, 1), (2, 9), (16, 16), (3, 1)]
 
 
 def make_batch(seqs, block_size, num_kv_heads, num_heads, head_dim, dtype, seed=0):
-    """Random q/k/v for the new tokens, a pool whose cached part is already filled, and the metadata.
+    """Random q/k/v for the new tokens, a pool whose cached part is already filled and which holds the
+    new tokens (as `rope_and_cache` leaves it), and the metadata.
 
     Each sequence gets randomly chosen, non-contiguous blocks; the pool has spare blocks holding
     garbage so a wrong gather shows.
@@ -40,17 +43,14 @@ def make_batch(seqs, block_size, num_kv_heads, num_heads, head_dim, dtype, seed=
     k = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(T, num_kv_heads, head_dim, generator=g).to(dtype)
     width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
+    meta = EagerMetadata(
         slot_mapping=torch.tensor(slots),
         query_start_loc=torch.tensor([0] + [n for _, n in seqs]).cumsum(0),
         seq_lens=torch.tensor([c + n for c, n in seqs]),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
     )
+    reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return q, k, v, k_cache, v_cache, meta
-
-
-def clone_meta(meta: AttentionMetadata) -> AttentionMetadata:
-    return AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -65,9 +65,9 @@ def test_fast_path_matches_reference(block_size, num_heads, num_kv_heads, math_l
     kc_ref, vc_ref = kc.clone(), vc.clone()
     scale = 16**-0.5
     out = paged_attention(q, k, v, kc, vc, meta, scale)
-    ref = paged_attention_reference(q, k, v, kc_ref, vc_ref, clone_meta(meta), scale)
+    ref = reference.paged_attention(q, kc, vc, meta, scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # attention reads the pool, never writes it
 
 
 def test_plan_is_reused_across_layers():
@@ -77,9 +77,9 @@ def test_plan_is_reused_across_layers():
     paged_attention(q, k, v, kc, vc, meta, 0.3)
     assert meta.plan is not None
     q2, k2, v2, kc2, vc2, _ = make_batch(MIXED, 4, 2, 4, 8, torch.float32, seed=2)
-    kc2_ref, vc2_ref = kc2.clone(), vc2.clone()
+    reference.write_kv(k2, v2, kc2, vc2, meta.slot_mapping)  # this layer's new tokens, at the step's slots
     out = paged_attention(q2, k2, v2, kc2, vc2, meta, 0.3)
-    ref = paged_attention_reference(q2, k2, v2, kc2_ref, vc2_ref, clone_meta(meta), 0.3)
+    ref = reference.paged_attention(q2, kc2, vc2, meta, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -87,23 +87,20 @@ def test_plan_is_reused_across_layers():
 def test_decode_only_and_prefill_only_batches(seqs):
     """Batches with only decodes, or only one prefill chunk, take one branch alone and stay exact."""
     q, k, v, kc, vc, meta = make_batch(seqs, 16, 3, 9, 64, torch.float32, seed=3)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
     out = paged_attention(q, k, v, kc, vc, meta, 0.125)
-    ref = paged_attention_reference(q, k, v, kc_ref, vc_ref, clone_meta(meta), 0.125)
+    ref = reference.paged_attention(q, kc, vc, meta, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_matches_reference_within_bf16_precision():
     """In bfloat16 (SDPA for every chunk) the fast path stays within bf16 rounding of the reference."""
     q, k, v, kc, vc, meta = make_batch(MIXED, 4, 2, 6, 32, torch.bfloat16, seed=4)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
     out = paged_attention(q, k, v, kc, vc, meta, 32**-0.5)
-    ref = paged_attention_reference(q, k, v, kc_ref, vc_ref, clone_meta(meta), 32**-0.5)
+    ref = reference.paged_attention(q, kc, vc, meta, 32**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
-    assert torch.equal(kc, kc_ref)
 
 
-def _rows_for(meta: AttentionMetadata, kc, vc, rows: list[int], prefilled: list[bool], length: int, seed: int,
+def _rows_for(meta: EagerMetadata, kc, vc, rows: list[int], prefilled: list[bool], length: int, seed: int,
               group: int = 8):
     """A row cache of 2 layers (random garbage, so a wrong read shows) holding the decodes of `meta` at
     `rows`; a decode marked prefilled already holds its context but its new token, the others are refilled."""
@@ -134,23 +131,59 @@ def test_decode_rows_match_reference(rows, prefilled, group, dtype):
     holding all but the new token otherwise; unused rows hold garbage), in groups of `group` rows each read
     up to its own longest context (a group without a decode skipped), and give the reference's outputs;
     afterwards each row holds the decode's whole context, as the pool does."""
-    q, k, v, kc, vc, meta = make_batch(MIXED, 4, 3, 9, 16, torch.float32, seed=5)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    kc, vc = kc.to(dtype), vc.to(dtype)
+    q, k, v, kc, vc, meta = make_batch(MIXED, 4, 3, 9, 16, dtype, seed=5)
     meta.rows = _rows_for(meta, kc, vc, rows, prefilled, length=40, seed=6, group=group)
     if group == 2:  # decode contexts 6, 1, 31, 4 (MIXED) at `rows`: each group up to its own longest
         expected = {(0, 1, 2, 3): [(0, 2, 6), (2, 4, 31)], (5, 0, 3, 2): [(0, 2, 1), (2, 4, 31), (4, 6, 6)],
                     (7, 0, 1, 6): [(0, 2, 31), (6, 8, 6)]}[tuple(rows)]  # rows 2..5 unused: skipped
         assert [(r0, r1, bias.shape[-1]) for r0, r1, bias in meta.rows.groups] == expected
     meta.rows.k[1], meta.rows.v[1] = meta.rows.k[1].to(dtype), meta.rows.v[1].to(dtype)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
     out = paged_attention(q, k, v, kc, vc, meta, 0.25, layer=1)
-    ref = paged_attention_reference(q, k, v, kc_ref, vc_ref, clone_meta(meta), 0.25)
+    ref = reference.paged_attention(q, kc, vc, meta, 0.25)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
     dec = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
     for s, row in zip(dec, rows, strict=True):
         ctx = kc[meta.block_tables[s]].view(-1, 3, 16)[: lens[s]].transpose(0, 1)  # (KVH, ctx, D)
         assert torch.equal(meta.rows.k[1][row, :, : lens[s]], ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_matches_reference(dtype):
+    """`EagerKernels.rope_and_cache` rotates q and k like the float64 reference and writes the rotated k
+    and v at their slots (and nowhere else), for a mixed batch over non-contiguous blocks; the (cos, sin)
+    gather is built once per step and reused by the next layer."""
+    q, k, v, kc, vc, meta = make_batch(MIXED, 4, 2, 6, 32, dtype, seed=8)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in MIXED])
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+    table = reference.rope_cache(inv_freq, 64)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    rq, rk = EagerKernels().rope_and_cache(positions, q, k, v, table, (kc, vc), meta)
+    eq, ek = reference.rope(positions, q, table), reference.rope(positions, k, table)
+    reference.write_kv(ek, v, kc_ref, vc_ref, meta.slot_mapping)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    torch.testing.assert_close(rq.float(), eq.float(), **tol)
+    torch.testing.assert_close(rk.float(), ek.float(), **tol)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), **tol)
+    assert torch.equal(vc, vc_ref)
+    assert meta.rope is not None
+    cached = meta.rope
+    EagerKernels().rope_and_cache(positions, q, k, v, table, (kc, vc), meta)
+    assert meta.rope is cached
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_silu_match_reference(dtype):
+    """The eager set's rms_norm, add_rms_norm (residual + x, then the norm) and silu_and_mul agree with the
+    float32 references on an irregular shape."""
+    g = torch.Generator().manual_seed(9)
+    x, res = torch.randn(7, 24, generator=g).to(dtype), torch.randn(7, 24, generator=g).to(dtype)
+    w, gu = torch.randn(24, generator=g).to(dtype), torch.randn(7, 10, generator=g).to(dtype)
+    ops = EagerKernels()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6).float(), reference.rms_norm(x, w, 1e-6).float(), **tol)
+    normed, summed = ops.add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(summed.float(), (x.float() + res.float()), **tol)
+    torch.testing.assert_close(normed.float(), reference.rms_norm(summed, w, 1e-5).float(), **tol)
+    torch.testing.assert_close(ops.silu_and_mul(gu).float(), reference.silu_and_mul(gu).float(), **tol)

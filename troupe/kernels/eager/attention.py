@@ -1,32 +1,24 @@
-"""Paged attention over a block KV pool: write the new K/V, then causal attention (torch path).
+"""Paged attention in eager torch over the block pool (the `eager` kernel set's attention).
 
-Contract (one call per layer; `AttentionMetadata` is built once per step and shared by all layers):
-- The batch is flattened: T new tokens from S sequences, sequence s owning tokens
-  `query_start_loc[s] : query_start_loc[s+1]`. Its context after this step is `seq_lens[s]` tokens, the
-  new ones being the last `q_len = query_start_loc[s+1] - query_start_loc[s]` of them, so a sequence may
-  be a whole prompt, a prefill chunk after cached blocks / earlier chunks, or one decode token.
-- K/V pool of a layer: `k_cache`, `v_cache` of shape `(num_blocks, block_size, num_kv_heads, head_dim)`.
-  Token i of the step is written to flat slot `slot_mapping[i]` (`block * block_size + offset`) before
-  attending. Context position p of sequence s lives in block `block_tables[s, p // block_size]`.
-- Query token i of sequence s (position `seq_lens[s] - q_len + i`) attends to context positions
-  `0 ..= seq_lens[s] - q_len + i`. Output: `(T, num_heads, head_dim)`, the dtype of q.
+Contract: `troupe.kernels.base` (`KernelSet.attention`) and the reference
+`troupe.kernels.reference.paged_attention`. The new tokens' K/V are already in the pool
+(`rope_and_cache` ran first); `k`, `v` are passed as well, so a chunk whose whole context is itself
+attends to them directly instead of reading them back.
 
-Torch path (see shared/reference/cpu-feasibility.md §2): sequences with one new token (decodes) go
-through one batched SDPA over their gathered block tables; longer chunks go one attention call per
-sequence (reading the context back from the pool only when there is earlier context; small float32
-chunks use bmm + softmax, about 2x faster than CPU SDPA on a 256-token prefill here). GQA is folded
-into the query length (`enable_gqa=True` is 3x slower in bf16 on CPU). Masks, gather indices and gather
-buffers depend only on the step, so they are built on the first layer's call and cached on the
-metadata. `paged_attention_reference` is the plain per-token version the fast path is tested against;
-a Triton kernel will take the same arguments.
+Decodes (one new token) go through one batched SDPA over their gathered block tables; longer chunks
+go one attention call per sequence (reading the context back from the pool only when there is earlier
+context; small float32 chunks use bmm + softmax, faster than CPU SDPA at prefill sizes). GQA is folded
+into the query length (`enable_gqa=True` is several times slower in bf16 on CPU). Masks, gather
+indices and gather buffers depend only on the step, so they are built on the first layer's call and
+kept on the step's `EagerMetadata`.
 
 Decode rows (`meta.rows`, optional; decodes it does not list still gather): the gather above copies
 every decode's whole context out of the pool in every layer of every step, which costs more than the
-attention itself at 64 decodes. When the caller (`ModelRunner`) keeps a contiguous copy of each decode's
-context in a row cache, the decodes attend over that instead: the new K/V are written to the pool *and*
-to the rows, a row that is new (or stale) is first filled from the pool, and per group of `ROW_GROUP`
-rows one bmm + softmax + bmm up to the group's longest context does the rest (about 2x faster than
-gather + SDPA at 64 decodes of ~400 tokens). The pool stays the source of truth.
+attention itself at large batches. When the kernel set keeps a contiguous copy of each decode's context
+in a row cache (`troupe.kernels.eager.rows`), the decodes attend over that instead: the new K/V are
+written to the rows too, a row that is new (or stale) is first filled from the pool, and per group of
+`ROW_GROUP` rows one bmm + softmax + bmm up to the group's longest context does the rest. The pool stays
+the source of truth.
 """
 
 from __future__ import annotations
@@ -36,15 +28,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from troupe.kernels.base import AttentionMetadata
+
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # (T,) int64: flat pool slot of each new token
-    query_start_loc: torch.Tensor  # (S+1,) int64: token offsets of each sequence, starting with 0
-    seq_lens: torch.Tensor  # (S,) int64: context length of each sequence after this step
-    block_tables: torch.Tensor  # (S, max_blocks) int64, rows padded with block 0
+class EagerMetadata(AttentionMetadata):
+    """The step's metadata plus what the eager ops build once and every layer reuses."""
+
     rows: DecodeRows | None = None  # the decodes' row cache; None: decodes gather from the pool
-    plan: _TorchPlan | None = field(default=None, repr=False)  # torch-path indices, built on first use
+    plan: _TorchPlan | None = field(default=None, repr=False)  # attention indices, built on first use
+    rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (cos, sin) (T, 1, D/2)
 
 
 ROW_GROUP = 8  # decode rows attend in groups of this many rows, each group only up to its longest context
@@ -141,28 +134,26 @@ class _TorchPlan:
 
 
 # Below this many scores (G * q_len * ctx_len per kv head) a float32 chunk uses bmm + softmax, which is
-# about 2x faster than CPU SDPA for a 256-token prefill here; above it SDPA keeps memory flat.
+# faster than CPU SDPA at prefill sizes; above it SDPA keeps memory flat.
 _MATH_MAX_SCORES = 1 << 22
 
 
 def paged_attention(
     q: torch.Tensor,  # (T, H, D)
-    k: torch.Tensor,  # (T, KVH, D)
+    k: torch.Tensor,  # (T, KVH, D), already written to the pool
     v: torch.Tensor,  # (T, KVH, D)
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)
     v_cache: torch.Tensor,  # (NB, BS, KVH, D)
-    meta: AttentionMetadata,
+    meta: EagerMetadata,
     scale: float,
     layer: int = 0,
 ) -> torch.Tensor:
-    """Write k/v into the pool at `meta.slot_mapping`, then attend; returns (T, H, D).
+    """Attend over the pool (which holds the step's new tokens); returns (T, H, D).
 
     `layer` picks this layer's tensors in `meta.rows` (unused without a row cache)."""
     T, H, D = q.shape
     _, BS, KVH, _ = k_cache.shape
     G = H // KVH
-    k_cache.view(-1, KVH, D).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, KVH, D).index_copy_(0, meta.slot_mapping, v)
     if meta.plan is None:
         meta.plan = _build_plan(meta, BS, G)
     out = torch.empty_like(q)  # (T, H, D)
@@ -209,7 +200,7 @@ def _decode_attention(
         dec.k_buf = k_cache.new_empty((dec.blocks.shape[0], BS, KVH, D))
         dec.v_buf = k_cache.new_empty((dec.blocks.shape[0], BS, KVH, D))
     assert dec.v_buf is not None
-    # index_select into a reused buffer: ~6x faster than k_cache[table] plus a fresh allocation per layer
+    # index_select into a reused buffer: much cheaper than k_cache[table] plus a fresh allocation per layer
     kd = (
         torch.index_select(k_cache, 0, dec.blocks, out=dec.k_buf).view(B, L, KVH, D).transpose(1, 2)
     )  # (B, KVH, L, D)
@@ -264,7 +255,7 @@ def _row_attention(
     out.index_copy_(0, dr.tokens, o.view(R, H, D).index_select(0, dr.rows))
 
 
-def _build_plan(meta: AttentionMetadata, block_size: int, G: int) -> _TorchPlan:
+def _build_plan(meta: EagerMetadata, block_size: int, G: int) -> _TorchPlan:
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     in_rows = set() if meta.rows is None else set(meta.rows.tokens.tolist())
@@ -286,35 +277,3 @@ def _build_plan(meta: AttentionMetadata, block_size: int, G: int) -> _TorchPlan:
         mask = torch.arange(ctx)[None, :] <= qpos[:, None]  # (n, ctx)
         chunks.append(_Chunk(starts[s], starts[s + 1], ctx_blocks, ctx, mask.repeat(G, 1)))
     return _TorchPlan(decodes, chunks)
-
-
-def paged_attention_reference(
-    q: torch.Tensor,  # (T, H, D)
-    k: torch.Tensor,  # (T, KVH, D)
-    v: torch.Tensor,  # (T, KVH, D)
-    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
-    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Same contract as `paged_attention`, one token and one position at a time, softmax in float64."""
-    T, H, D = q.shape
-    _, BS, KVH, _ = k_cache.shape
-    for i, slot in enumerate(meta.slot_mapping.tolist()):
-        k_cache[slot // BS, slot % BS] = k[i]
-        v_cache[slot // BS, slot % BS] = v[i]
-    out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
-    for s, ctx in enumerate(meta.seq_lens.tolist()):
-        n = starts[s + 1] - starts[s]
-        table = meta.block_tables[s].tolist()
-        keys = torch.stack([k_cache[table[p // BS], p % BS] for p in range(ctx)]).double()  # (ctx, KVH, D)
-        vals = torch.stack([v_cache[table[p // BS], p % BS] for p in range(ctx)]).double()  # (ctx, KVH, D)
-        keys = keys.repeat_interleave(H // KVH, dim=1)  # (ctx, H, D)
-        vals = vals.repeat_interleave(H // KVH, dim=1)  # (ctx, H, D)
-        for i in range(n):
-            visible = ctx - n + i + 1
-            qi = q[starts[s] + i].double()  # (H, D)
-            scores = torch.einsum("hd,khd->hk", qi, keys[:visible]) * scale  # (H, visible)
-            out[starts[s] + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), vals[:visible]).to(q.dtype)
-    return out

@@ -1,0 +1,59 @@
+"""The compiled CPU kernels' build: cached, targeted at the ISA asked for, sharing torch's threads, and a
+clear fallback when it cannot be done."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from troupe.kernels.cpu import build
+
+needs_build = pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags() or not build.shutil.which("c++"),
+                                 reason="no AVX2/FMA/F16C CPU or no C++ compiler here")
+
+
+@needs_build
+def test_probe_builds_for_this_cpu_and_shares_torchs_threads():
+    """The probe extension builds (or comes from the cache), reports the ISA the CPU has, and its
+    `at::parallel_for` runs on as many threads as torch is set to."""
+    assert build.load_ops("probe", ("probe.cpp",))
+    expected = "avx512" if "avx512f" in build.cpu_flags() else "avx2"
+    assert torch.ops.troupe_probe.isa() == expected
+    assert torch.ops.troupe_probe.parallel_threads() == min(torch.get_num_threads(), 64)
+
+
+@needs_build
+def test_avx2_baseline_builds_on_any_cpu(tmp_path):
+    """TROUPE_CPU_ISA=avx2 builds the AVX2/FMA baseline (what an AVX2-only machine runs) even on an
+    AVX-512 CPU, in its own cache entry."""
+    code = textwrap.dedent("""
+        import torch
+        from troupe.kernels.cpu.build import load_ops
+        assert load_ops("probe", ("probe.cpp",))
+        print(torch.ops.troupe_probe.isa())
+    """)
+    env = {**os.environ, "TROUPE_CPU_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "avx2"
+
+
+def test_missing_compiler_falls_back_with_a_reason(monkeypatch):
+    """Without a compiler the build raises `BuildError` saying so (and `load_ops` would answer False), so
+    `kernels="auto"` keeps the eager set."""
+    monkeypatch.setattr(build, "cpu_flags", lambda: build.REQUIRED_CPU_FLAGS)
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(build.BuildError, match="no C.. compiler"):
+        build.build("probe", ("probe.cpp",))
+
+
+def test_bad_isa_is_refused(monkeypatch):
+    """An unknown TROUPE_CPU_ISA is an error naming the variable, not a silent default."""
+    monkeypatch.setenv("TROUPE_CPU_ISA", "sse2")
+    with pytest.raises(build.BuildError, match="TROUPE_CPU_ISA"):
+        build.isa()

@@ -1,0 +1,234 @@
+"""`KernelSet`: the interface between the model description and the code that does its heavy work.
+
+The model (`troupe.models.llama`) is one plain description of the decoder. Everything heavy it does —
+projections, the embedding lookup, norms, rotary + the KV write, attention over the paged pool, SiLU x up —
+goes through one `KernelSet`, chosen once when the model loads (`troupe.kernels.select_kernels`), by
+device and by what the machine can run: the eager torch set (always there; the fallback and the
+oracle's neighbour in tests), compiled CPU kernels, Triton kernels on CUDA. One interface, several
+implementations; the model has no `if device == ...`.
+
+Contract (shapes: T new tokens in the step, S sequences, H query heads, KVH kv heads, D head dim):
+
+- Weights, at load time: `linear(weight (N, K), bias (N,) | None)` returns the projection
+  `x (M, K) -> (M, N)` (= `F.linear`, up to summation order). The set may take the weight's storage over
+  (pack it, quantize it, move it, release the dense copy): pass a tensor nothing else needs.
+  `embedding(table (V, hidden))` returns the lookup `ids (T,) -> (T, hidden)`.
+- KV pool: `allocate_kv(spec)` returns one `(k_pool, v_pool)` pair per layer, in the layout and dtype the
+  set's attention reads (`kv_cache_shape`, `kv_cache_dtype`); the scheduler and KV manager only ever see
+  block ids.
+- Per step: `prepare(seqs, block_size)` flattens the scheduled sequences into a `StepBatch` on the set's
+  device: token ids, positions, the `AttentionMetadata` every layer shares, and the token index of each
+  row of logits wanted. A set may keep state across steps here (a row cache, CUDA graph buffers); it is
+  called once per step, before the model runs.
+- Per layer, in this order: `add_rms_norm` / `rms_norm`; `linear`; `rope_and_cache(positions, q, k, v,
+  rope_cache, kv, meta)`, which rotates q and k (HF rotate-half layout) and writes the rotated k and v of
+  every new token at `meta.slot_mapping` before any attention reads the pool, returning the rotated
+  (q, k); `attention(q, k, v, kv, meta, scale, layer)` (see `troupe.kernels.reference.paged_attention`
+  for the exact semantics; `k`, `v` are the new tokens' rotated keys and values, which a set may use
+  instead of reading them back); `silu_and_mul`.
+
+Every op has a plain-torch reference in `troupe.kernels.reference`, which tests compare each set with.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+LinearOp = Callable[[torch.Tensor], torch.Tensor]  # (M, K) -> (M, N)
+EmbeddingOp = Callable[[torch.Tensor], torch.Tensor]  # (T,) int64 -> (T, hidden)
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool) of one layer
+
+
+class ScheduledSeq(Protocol):
+    """What a kernel set reads of one scheduled sequence (`troupe.core.batch.ScheduledSeq` has the
+    contract; kernels do not import the engine core)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def start_pos(self) -> int: ...
+    @property
+    def block_ids(self) -> list[int]: ...
+    @property
+    def needs_logits(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every layer's attention needs about one step; built once per step by `KernelSet.prepare`.
+
+    Sequence s owns tokens `query_start_loc[s] : query_start_loc[s+1]` of the flattened step; its context
+    after the step is `seq_lens[s]` tokens, the new ones being the last of them. Position p of sequence s
+    lives in block `block_tables[s, p // block_size]` (rows padded with block 0); new token i goes to the
+    flat pool slot `slot_mapping[i]` (`block * block_size + offset`).
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    query_start_loc: torch.Tensor  # (S+1,) int64, starting with 0
+    seq_lens: torch.Tensor  # (S,) int64
+    block_tables: torch.Tensor  # (S, max_blocks) int64
+    max_query_len: int = 0  # longest new-token run of a sequence this step (0: not computed)
+    max_seq_len: int = 0  # longest context after this step (0: not computed)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's inputs for the model, on the kernel set's device."""
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # (N,) index in the step of the last token of each seq that needs logits
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The KV pool a model needs: `num_layers` pairs of pools of `num_blocks` blocks."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's compute dtype (`kv_cache_dtype` decides the pool's)
+    max_model_len: int
+    max_num_seqs: int
+
+
+class KernelSet(abc.ABC):
+    """One implementation of the model's heavy ops (see the module docstring for the contract)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    # ------------------------------------------------------------------ weights (load time)
+
+    @abc.abstractmethod
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearOp:
+        """The projection `x (M, K) -> x @ weight.T + bias (M, N)`; may take `weight`'s storage over."""
+
+    def embedding(self, table: torch.Tensor) -> EmbeddingOp:
+        """The token-embedding lookup `ids (T,) -> (T, hidden)` over `table (V, hidden)`."""
+        return lambda ids: F.embedding(ids, table)
+
+    # ------------------------------------------------------------------ the KV pool
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the pool holds for a model computing in `model_dtype`."""
+        return model_dtype
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) pool."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def kv_bytes_per_token(self, spec: KVSpec) -> int:
+        """K and V of all layers for one token, in the pool's dtype."""
+        itemsize = self.kv_cache_dtype(spec.dtype).itemsize
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+
+    def allocate_kv(self, spec: KVSpec) -> list[LayerKV]:
+        """One zero-filled (K, V) pool pair per layer: never-written slots that a padded read touches and
+        a mask hides must hold no NaN."""
+        shape = self.kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = self.kv_cache_dtype(spec.dtype)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(spec.num_layers)
+        ]
+
+    # ------------------------------------------------------------------ per step
+
+    def prepare(self, seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
+        """Flatten the step (see `flatten_step`) and move it to the set's device."""
+        batch = flatten_step(seqs, block_size)
+        if self.device.type != "cpu":
+            m = batch.meta
+            def dev(t: torch.Tensor) -> torch.Tensor:
+                return t.to(self.device, non_blocking=True)
+
+            meta = AttentionMetadata(dev(m.slot_mapping), dev(m.query_start_loc), dev(m.seq_lens),
+                                     dev(m.block_tables), max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+            batch = StepBatch(dev(batch.input_ids), dev(batch.positions), meta, dev(batch.logits_indices))
+        return batch
+
+    # ------------------------------------------------------------------ per layer
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """(T, h) -> (T, h): `x / rms(x) * weight`."""
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, summed): `summed = residual + x`, `normed = rms_norm(summed)`; either input may be
+        overwritten in place."""
+        summed = residual + x
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, 2f) -> (T, f): `silu(x[:, :f]) * x[:, f:]`."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @abc.abstractmethod
+    def rope_and_cache(
+        self,
+        positions: torch.Tensor,  # (T,)
+        q: torch.Tensor,  # (T, H, D)
+        k: torch.Tensor,  # (T, KVH, D)
+        v: torch.Tensor,  # (T, KVH, D)
+        rope_cache: torch.Tensor,  # (max_pos, D) float32: cos in [:, :D/2], sin in [:, D/2:]
+        kv: LayerKV,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k (may be in place), write the rotated k and v at `meta.slot_mapping`; returns (q, k)."""
+
+    @abc.abstractmethod
+    def attention(
+        self,
+        q: torch.Tensor,  # (T, H, D), rotated
+        k: torch.Tensor,  # (T, KVH, D), rotated: the new tokens' keys, already in the pool
+        v: torch.Tensor,  # (T, KVH, D)
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        layer: int,
+    ) -> torch.Tensor:
+        """Causal attention of each new token over its sequence's context in the pool: (T, H, D)."""
+
+
+def flatten_step(seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
+    """The step on the CPU: tokens and positions concatenated, one slot per new token, block tables padded
+    to the longest context (`troupe.core.batch` has the `ScheduledSeq` contract)."""
+    bs = block_size
+    lens = [len(s.token_ids) for s in seqs]
+    seq_lens = [s.start_pos + n for s, n in zip(seqs, lens, strict=True)]
+    assert min(lens) > 0, "a scheduled seq computes at least one token"
+    assert all(len(s.block_ids) * bs >= n for s, n in zip(seqs, seq_lens, strict=True)), "block table too short"
+    width = max(-(-n // bs) for n in seq_lens)
+    tables = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in seqs]
+    input_ids = torch.tensor([t for s in seqs for t in s.token_ids])  # (T,)
+    positions = torch.cat([torch.arange(s.start_pos, n) for s, n in zip(seqs, seq_lens, strict=True)])  # (T,)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens))  # (T,)
+    block_tables = torch.tensor(tables)  # (S, width)
+    query_start_loc = torch.tensor([0, *lens]).cumsum(0)  # (S+1,)
+    meta = AttentionMetadata(
+        slot_mapping=block_tables[seq_of_token, positions // bs] * bs + positions % bs,  # (T,)
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens),  # (S,)
+        block_tables=block_tables,
+        max_query_len=max(lens),
+        max_seq_len=max(seq_lens),
+    )
+    wanted = torch.tensor([s.needs_logits for s in seqs], dtype=torch.bool)
+    return StepBatch(input_ids, positions, meta, query_start_loc[1:][wanted] - 1)

@@ -1,0 +1,116 @@
+"""Building the compiled CPU kernels: C++ sources in `csrc/`, compiled once on first use and cached.
+
+Each extension is a set of C++ files that register their ops with `TORCH_LIBRARY(troupe_<name>, m)`;
+`load_ops(name, sources)` compiles them with `torch.utils.cpp_extension.load` (g++ and ninja) into a
+shared library that `torch.ops.troupe_<name>` then calls. Why this toolchain is in docs/kernels.md; in
+short: a library of registered ops includes only ATen's core headers (compiles in seconds, not the minute
+`torch/extension.h` takes), calls cost a few microseconds, and `at::parallel_for` runs on torch's own
+OpenMP pool (`-fopenmp`), so the kernels share torch's threads instead of fighting them.
+
+The cache: `<troupe cache>/kernels/<name>-<key>/`, the key hashing the sources, the flags, torch's version
+and the CPU's instruction-set flags, so a changed source, a new torch or a home directory shared with
+another kind of CPU builds anew. Concurrent first uses are safe (cpp_extension locks its build folder).
+
+Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
+AVX-512 code paths (`#ifdef __AVX512F__`) are taken where the CPU has them and the AVX2/FMA paths
+elsewhere; `TROUPE_CPU_ISA=avx2` builds the AVX2/FMA/F16C baseline on any CPU (tests use it to run the
+baseline on an AVX-512 machine). A CPU without AVX2 and FMA, no compiler, or a failed build: `load_ops`
+returns False, the cause is logged once as a warning, and `kernels="auto"` runs the eager torch set.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-DNDEBUG")
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f")}
+REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+
+
+log = structlog.get_logger("troupe.kernels")
+
+
+class BuildError(RuntimeError):
+    """The compiled kernels cannot be built or loaded here; the message says why."""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this machine's first CPU (`/proc/cpuinfo`; empty if unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa() -> str:
+    """The instruction-set target of the build: `TROUPE_CPU_ISA` ("native" or "avx2"), default "native"."""
+    choice = os.environ.get("TROUPE_CPU_ISA", "native")
+    if choice not in ISA_FLAGS:
+        raise BuildError(f"TROUPE_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {choice!r}")
+    return choice
+
+
+def _cache_root() -> Path:
+    from troupe.models.default_model import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _build_key(name: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for src in sorted(sources):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    for header in sorted(CSRC.glob("*.h")):  # shared headers count for every extension
+        h.update(header.name.encode())
+        h.update(header.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(sorted(cpu_flags())).encode())
+    return f"{name}-{h.hexdigest()[:16]}"
+
+
+def build(name: str, sources: Sequence[str]) -> None:
+    """Compile (or reuse the cached build of) `csrc/<sources>` and load it: its ops appear under
+    `torch.ops.troupe_<name>`. Raises `BuildError` with the reason if that cannot be done here."""
+    missing = REQUIRED_CPU_FLAGS - cpu_flags()
+    if missing:
+        raise BuildError(f"this CPU lacks {sorted(missing)} (the compiled kernels need AVX2, FMA and F16C)")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler found ({compiler!r} is not on PATH)")
+    paths = [CSRC / s for s in sources]
+    flags = [*BASE_FLAGS, *ISA_FLAGS[isa()]]
+    folder = _cache_root() / _build_key(name, paths, flags)
+    folder.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(f"troupe_{name}", [str(p) for p in paths], extra_cflags=flags, extra_include_paths=[str(CSRC)],
+             extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as exc:  # cpp_extension raises RuntimeError for a failed build
+        raise BuildError(f"building the {name} kernels failed: {exc}") from exc
+
+
+@functools.cache
+def load_ops(name: str, sources: tuple[str, ...]) -> bool:
+    """`build` once per process; False (with one warning log line naming the cause) when it cannot be done."""
+    try:
+        build(name, sources)
+    except BuildError as exc:
+        log.warning("compiled CPU kernels unavailable: using the eager torch kernels", kernels=name, reason=str(exc))
+        return False
+    return True
