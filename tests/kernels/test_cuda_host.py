@@ -14,7 +14,7 @@ from troupe.core.sampler import Sampler, make_sampler
 from troupe.errors import InvalidInputError
 from troupe.kernels import select
 from troupe.kernels.base import KVSpec, flatten_step
-from troupe.kernels.cuda.graphs import capture_sizes, graph_size_for
+from troupe.kernels.cuda.graphs import capture_order, capture_sizes, graph_size_for
 from troupe.kernels.cuda.kernel_set import CudaKernels
 from troupe.kernels.cuda.sampling import DeviceSampler
 from troupe.kernels.cuda.step_buffers import StepBuffers
@@ -117,6 +117,7 @@ def test_capture_sizes_and_padding_choice() -> None:
     sizes = [1, 2, 4, 8, 16, 32]
     assert [graph_size_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 8, 8, 16, 32, 32, 0]
     assert graph_size_for(3, []) == 0
+    assert capture_order([1, 2, 4, 8, 16, 32, 48]) == [1, 2, 4, 8, 48, 32, 16]  # small first, then large down
 
 
 def test_decode_graph_size_needs_one_sampled_token_per_seq() -> None:

@@ -8,14 +8,17 @@ Python."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
 from troupe.core.model_runner import ModelRunner
+from troupe.errors import InvalidInputError
 from troupe.kernels.cuda.kernel_set import CudaKernels
 
 SEQS = [
@@ -125,3 +128,95 @@ def test_engine_on_the_cuda_set_generates_the_eager_tokens(tiny_llama: Path, dev
     with LLM(kernels="cuda", enforce_eager=True, gpu_memory_utilization=0.5, **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and all(len(t) == 3 for t in got)
+
+
+class FakeGraph:
+    """Stands in for a CUDA graph on the CPU: replaying re-runs the captured function as it was bound at
+    capture (the same tensors, the same Python values), which is what a graph replay does."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        fn()
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def test_graph_replay_reads_each_steps_inputs(tiny_llama: Path, hf_logits: list[torch.Tensor],
+                                              device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's graph capture with the CUDA primitive faked (`FakeGraph`): graphs for 1, 2 and 4 rows,
+    captured on padding batches; later decode steps of 3, 2 and 1 sequences replay them and get
+    transformers' logits, so everything a graph reads is refilled in place by each step's `prepare`."""
+    from troupe.kernels.cuda.graphs import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "record", lambda self, fn: FakeGraph(fn))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: 0)
+    cuda = runner(tiny_llama, "cuda", max_num_seqs=4)
+    with capture_logs() as logs:
+        cuda._capture_graphs()
+    assert cuda.graphs.sizes == [1, 2, 4] and cuda.kernels.graph_sizes == [1, 2, 4]  # type: ignore[attr-defined]
+    line = next(e for e in logs if e["event"] == "cuda graphs captured")
+    assert line["sizes"] == [1, 2, 4] and line["skipped"] == [] and line["max_seq_len"] == 256
+    replayed: list[int] = []
+    real = cuda.graphs.replay
+    cuda.graphs.replay = lambda batch: (replayed.append(batch.meta.graph_size), real(batch))[1]
+    blocks = tables(seed=3)
+    live = [0, 1, 3]
+    cuda.execute([ScheduledSeq(str(i), SEQS[i][:PROMPT_LEN[i]], 0, blocks[i], False) for i in live])
+    done = {i: PROMPT_LEN[i] for i in live}
+    for decoding in (live, [0, 3], [1]):
+        batch = [ScheduledSeq(str(i), [SEQS[i][done[i]]], done[i], blocks[i], True) for i in decoding]
+        got = cuda.execute(batch)
+        torch.testing.assert_close(got, torch.stack([hf_logits[i][done[i]] for i in decoding]), atol=1e-4, rtol=1e-4)
+        for i in decoding:
+            done[i] += 1
+    assert replayed == [4, 2, 1]
+
+
+def fake_gpu_memory(monkeypatch: pytest.MonkeyPatch, total: int, free: int, reserved: int, allocated: int,
+                    peak: int) -> None:
+    """torch.cuda's memory figures, made up: `allocated` bytes held throughout, `peak` during the profile."""
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: peak)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: reserved)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (free, total))
+
+
+def test_gpu_pool_sizing_runs_the_profile_and_logs(tiny_llama: Path, device: torch.device,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's GPU pool sizing with made-up memory figures: it profiles a real largest step (16
+    tokens over 4 sequences, through the model and the device sampler), takes what the utilization
+    leaves after the weights, the activations, the graphs' reserve and the memory outside torch, logs the
+    figures, lets num_kv_blocks override it, and refuses a utilization that leaves less than a block."""
+    from troupe.core import gpu_memory
+
+    G = 1 << 30
+    fake_gpu_memory(monkeypatch, total=80 * G, free=70 * G, reserved=9 * G, allocated=2 * G, peak=5 * G)
+    cuda = runner(tiny_llama, "cuda", max_num_seqs=4, max_num_batched_tokens=16)
+    spec = cuda.kv_spec
+    config = EngineConfig(model=str(tiny_llama), gpu_memory_utilization=0.5, max_num_seqs=4,
+                          max_num_batched_tokens=16)
+    calls: list[int] = []
+    real = cuda.execute
+    monkeypatch.setattr(cuda, "execute", lambda seqs: (calls.append(sum(len(s.token_ids) for s in seqs)),
+                                                       real(seqs))[1])
+    with capture_logs() as logs:
+        blocks = cuda._size_gpu_pool(config, spec)
+    assert calls == [16]  # one profiling step of max_num_batched_tokens
+    per_block = cuda.kv_bytes_per_token * BS
+    scratch = 4 * 1 * per_block  # four sequences of 4 tokens: one block each
+    graphs = gpu_memory.graph_reserve_bytes(3 * G, 16, 4)
+    want = (40 * G - (2 * G - scratch) - 3 * G - graphs - 1 * G) // per_block
+    assert blocks == want
+    line = next(e for e in logs if e["event"] == "kv cache sized")
+    assert line["num_blocks"] == want and line["activations_gib"] == 3.0 and line["other_gib"] == 1.0
+    assert line["total_gib"] == 80.0 and line["utilization"] == 0.5 and not line["overridden"]
+    assert cuda._size_gpu_pool(EngineConfig(model=str(tiny_llama), num_kv_blocks=7, max_num_seqs=4,
+                                            max_num_batched_tokens=16), spec) == 7
+    with pytest.raises(InvalidInputError) as err:
+        cuda._size_gpu_pool(EngineConfig(model=str(tiny_llama), gpu_memory_utilization=0.05, max_num_seqs=4,
+                                         max_num_batched_tokens=16), spec)
+    assert err.value.field == "gpu_memory_utilization" and "16-token step" in str(err.value)

@@ -63,6 +63,7 @@ class ModelRunner:
         dtype = resolve_dtype(model_dtype(config, self.device))
         self.kernels = select_kernels(config, self.device, dtype)
         self.graphs: Any = None  # troupe.kernels.cuda.graphs.DecodeGraphs once captured
+        self.graph_reserve_bytes = 0  # what the pool sizing left the graphs (`gpu_memory`)
         if self.null_model:
             self.model = None
             self.info: ModelInfo = read_model_info(self.model_path, dtype)
@@ -118,7 +119,8 @@ class ModelRunner:
         self.kv_caches = []
         total, other = gpu_memory.device_usage()
         tokens = sum(len(s.token_ids) for s in seqs)
-        graphs = 0 if config.enforce_eager else gpu_memory.graph_reserve_bytes(activations, tokens, self.max_num_seqs)
+        self.graph_reserve_bytes = gpu_memory.graph_reserve_bytes(activations, tokens, self.max_num_seqs)
+        graphs = 0 if config.enforce_eager else self.graph_reserve_bytes
         mem = gpu_memory.GpuMemory(total=total, model=model_bytes, activations=activations, graphs=graphs, other=other)
         budget = gpu_memory.kv_pool_bytes(mem, config.gpu_memory_utilization)
         per_block = self.kv_bytes_per_token * self.block_size
@@ -147,7 +149,8 @@ class ModelRunner:
         model = self.model
         with torch.inference_mode():
             report = graphs.capture(sizes, lambda size: kernels.padding_batch(size, self.block_size),
-                                    lambda b: model(b.input_ids, b.positions, self.kv_caches, b.meta))
+                                    lambda b: model(b.input_ids, b.positions, self.kv_caches, b.meta),
+                                    budget_bytes=2 * self.graph_reserve_bytes)
         kernels.graph_sizes = report.captured
         self.graphs = graphs
         log.info("cuda graphs captured", sizes=report.captured, skipped=report.skipped, stopped_by=report.stopped_by,

@@ -12,11 +12,13 @@ every step before the replay), the KV pool, the weights, and the attention launc
 graph ends by copying the final hidden states into one shared `(rows, hidden)` buffer; the LM head and
 sampling run after the replay, on the real rows only.
 
-Capture, per size from the largest down (so the smaller graphs reuse the memory pool of the larger ones):
-a warm-up run (Triton compiles and loads the kernels outside the capture), then the capture itself,
-into one memory pool shared by all graphs (they never run concurrently). It stops early, keeping the
-sizes already captured, once `budget_s` seconds or `budget_bytes` of pool memory are spent: a batch is
-then padded to the next captured size up (or runs eagerly if none is large enough).
+Capture, per size: a warm-up run (Triton compiles and loads the kernels outside the capture), then the
+capture itself, into one memory pool shared by all graphs (they never run concurrently). The order is
+`capture_order`: the sizes up to 8 first (single streams and small batches, whose latency the graphs
+are for), then the others from the largest down (so each smaller graph reuses the pool memory of the
+larger ones). Capture stops early, keeping the sizes already captured, once `budget_s` seconds or
+`budget_bytes` of pool memory are spent: a batch is then padded to the next captured size up (or runs
+eagerly if none is large enough).
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-import structlog
 import torch
 
 from troupe.kernels.base import StepBatch
-
-log = structlog.get_logger("troupe.kernels.cuda")
 
 MAX_GRAPH_BATCH = 512
 GRAPH_STEP = 16  # sizes past 8 go up in steps of this many sequences
@@ -43,6 +43,12 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
     top = max(1, min(max_num_seqs, limit))
     sizes = {s for s in (1, 2, 4, 8) if s <= top} | set(range(GRAPH_STEP, top + 1, GRAPH_STEP)) | {top}
     return sorted(sizes)
+
+
+def capture_order(sizes: Sequence[int]) -> list[int]:
+    """The sizes up to 8 ascending, then the rest descending (see the module docstring)."""
+    small = sorted(s for s in sizes if s <= 8)
+    return small + sorted((s for s in sizes if s > 8), reverse=True)
 
 
 def graph_size_for(num_seqs: int, sizes: Sequence[int]) -> int:
@@ -70,8 +76,17 @@ class DecodeGraphs:
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> None:
         self.out = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)  # (rows, hidden)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, Any] = {}  # size -> torch.cuda.CUDAGraph
+        self.pool: Any = None  # one memory pool for every graph
+
+    def record(self, fn: Callable[[], object]) -> Any:
+        """Capture what `fn()` launches as one CUDA graph (in the shared pool); returns it (`.replay()`)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph
 
     @property
     def sizes(self) -> list[int]:
@@ -80,19 +95,20 @@ class DecodeGraphs:
     def capture(self, sizes: Sequence[int], make_batch: Callable[[int], StepBatch],
                 forward: Callable[[StepBatch], torch.Tensor], *, budget_s: float = CAPTURE_BUDGET_S,
                 budget_bytes: int | None = None) -> CaptureReport:
-        """Capture `sizes`, largest first, within the time and memory budgets (module docstring)."""
+        """Capture `sizes` in `capture_order`, within the time and memory budgets (module docstring)."""
         report = CaptureReport()
         started = time.monotonic()
         reserved = torch.cuda.memory_reserved()
-        todo = sorted(sizes, reverse=True)
+        todo = capture_order(sizes)
         for i, B in enumerate(todo):
             batch = make_batch(B)
             forward(batch)  # warm-up: compiles / loads every kernel of this shape outside the capture
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+
+            def step(B: int = B, batch: StepBatch = batch) -> None:  # bound now, whenever it runs
                 self.out[:B].copy_(forward(batch))
-            self.graphs[B] = graph
+
+            self.graphs[B] = self.record(step)
             report.captured.append(B)
             report.pool_bytes = torch.cuda.memory_reserved() - reserved
             report.seconds = time.monotonic() - started

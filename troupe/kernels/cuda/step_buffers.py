@@ -18,8 +18,9 @@ Two layouts share the same device memory:
   seq_len 0 (attention reads nothing, outputs zeros), table row 0.
 
 A step that does not fit (more tokens, sequences or blocks than sized for) gets `None`: the caller falls
-back to building it with `flatten_step`. The host buffers are rewritten only once the previous copies
-are done (an event, already passed in practice since each step ends with a sync).
+back to building it with `flatten_step`. The host side of each step comes from torch's caching pinned
+allocator, which hands a block out again only once the copies that read it are done: no host wait,
+not even for a step that samples nothing.
 """
 
 from __future__ import annotations
@@ -55,17 +56,12 @@ class StepBuffers:
         self.max_blocks = max_blocks_per_seq
         self.graph_rows = graph_rows
         self.device = device
-        pinned = device.type == "cuda"
+        self.pinned = device.type == "cuda"
         self.region = graph_rows + 1  # a graph step's region stride (query_start_loc holds rows + 1)
         small = max(3 * self.max_tokens + 3 * max_seqs + 1, NUM_REGIONS * self.region)
         tables = max(max_seqs, graph_rows) * max_blocks_per_seq
-        self.host = torch.zeros(small, dtype=torch.int64, pin_memory=pinned)
-        self.host_tables = torch.zeros(tables, dtype=torch.int32, pin_memory=pinned)
-        self._h = self.host.numpy()
-        self._ht = self.host_tables.numpy()
         self.dev = torch.zeros(small, dtype=torch.int64, device=device)
         self.dev_tables = torch.zeros(tables, dtype=torch.int32, device=device)
-        self._copied = torch.cuda.Event() if pinned else None
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +83,6 @@ class StepBuffers:
         token); `max_seq_len`: the host bound the attention launcher gets (0: this step's longest)."""
         if not self.fits(seqs, block_size, pad_to):
             return None
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have read the host buffers
         n = len(seqs)
         S = max(pad_to, n)
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)  # (n,)
@@ -105,7 +99,12 @@ class StepBuffers:
             sizes = [T, T, T, S, S + 1]
             offsets = [0, *np.cumsum(sizes).tolist()]
         o_ids, o_pos, o_slot, o_len, o_qsl, o_out = offsets
-        h = self._h
+        used = NUM_REGIONS * self.region if pad_to else offsets[-1] + n  # logits rows: at most n
+        host = torch.empty(used, dtype=torch.int64, pin_memory=self.pinned)
+        host_tables = torch.empty(S * width, dtype=torch.int32, pin_memory=self.pinned)
+        h = host.numpy()
+        if pad_to:
+            h[:] = 0  # a graph step's whole layout is copied: nothing uninitialised between the regions
         qsl = h[o_qsl:o_qsl + S + 1]
         qsl[0] = 0
         np.cumsum(lens, out=qsl[1:n + 1])
@@ -119,7 +118,7 @@ class StepBuffers:
         h[o_pos + T_real:o_pos + T] = 0
         h[o_len + n:o_len + S] = 0
         # block tables: (S, width) contiguous on the host
-        tables = self._ht[:S * width].reshape(S, width)
+        tables = host_tables.numpy().reshape(S, width)
         tables[:] = 0
         for i, s in enumerate(seqs):
             row = s.block_ids[:width]
@@ -131,18 +130,16 @@ class StepBuffers:
         out_rows = qsl[1:n + 1][wanted] - 1  # (N,)
         N = len(out_rows)
         h[o_out:o_out + N] = out_rows
-        # the copies: the int64 prefix in use, then the tables
-        used = NUM_REGIONS * self.region if pad_to else o_out + N
-        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        # the copies: the int64 layout in use, then the tables
+        self.dev[:used].copy_(host, non_blocking=True)
+        staged = host_tables.view(S, width)
         if pad_to:
             dev_tables = self.dev_tables[:self.graph_rows * self.max_blocks].view(self.graph_rows, self.max_blocks)
-            dev_tables[:S, :width].copy_(self.host_tables[:S * width].view(S, width), non_blocking=True)
+            dev_tables[:S, :width].copy_(staged, non_blocking=True)
             dev_tables = dev_tables[:S]  # (S, W): stride W, the graph's fixed view
         else:
             dev_tables = self.dev_tables[:S * width].view(S, width)
-            dev_tables.copy_(self.host_tables[:S * width].view(S, width), non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+            dev_tables.copy_(staged, non_blocking=True)
         d = self.dev
         meta = CudaMetadata(
             slot_mapping=d[o_slot:o_slot + T], query_start_loc=d[o_qsl:o_qsl + S + 1],
