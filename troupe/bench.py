@@ -115,7 +115,7 @@ _RANDOM_KEYS = {"hidden": "hidden", "layers": "num_layers", "heads": "heads", "k
                 "intermediate": "intermediate", "max_len": "max_position_embeddings"}
 
 
-def random_model(spec: str, dtype: str, folder: str) -> str:
+def random_model(spec: str, dtype: str, folder: str, device: str = "cpu") -> str:
     """A randomly initialised Llama folder (HF layout, the default model's tokenizer) built from `spec`,
     "key=value,..." over `_RANDOM_KEYS` or a name in `RANDOM_MODELS`; weights in `dtype`, nothing downloaded."""
     from troupe.models.testing import make_tiny_model
@@ -128,7 +128,8 @@ def random_model(spec: str, dtype: str, folder: str) -> str:
                              f"(or a name in {sorted(RANDOM_MODELS)})")
         shape[_RANDOM_KEYS[key.strip()]] = int(value)
     stored = "float32" if dtype == "float32" else "bfloat16"
-    return str(make_tiny_model(folder, arch="llama", init_std=0.02, dtype=stored, **shape))  # type: ignore[arg-type]
+    return str(make_tiny_model(folder, arch="llama", init_std=0.02, dtype=stored, device=device,
+                               **shape))  # type: ignore[arg-type]
 
 
 def itl_run(llm: Any, prompt: list[int], tokens: int) -> float:
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         scratch = tempfile.TemporaryDirectory(prefix="troupe-bench-model-")
         t0 = time.perf_counter()
-        args.model = random_model(args.random_model, args.dtype, scratch.name)
+        args.model = random_model(args.random_model, args.dtype, scratch.name, device=args.device)
         print(f"  random model {args.random_model} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     from troupe import LLM
