@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hf_itl = None
             if sizes:
                 assert hf is not None
-                hf_itl = statistics.median(hf.itl(prompt, args.itl_tokens) for _ in range(2))
+                hf_itl = hf.itl(prompt, args.itl_tokens)
     finally:
         llm.close()
     engine_rss = peak_child_rss_gib() if args.multiprocess else None

@@ -62,7 +62,8 @@ def gpu_runner(folder: Path, **options: Any) -> ModelRunner:
 
 
 def tables(num_blocks: int, seed: int) -> list[list[int]]:
-    free = list(range(1, num_blocks))
+    """Each sequence's blocks: distinct, shuffled, from the first 4096 of the pool (never block 0)."""
+    free = list(range(1, min(num_blocks, 4096)))
     random.Random(seed).shuffle(free)
     return [[free.pop() for _ in range(-(-len(s) // BS))] for s in SEQS]
 
