@@ -1,5 +1,13 @@
 """Shared fixtures: the default model's tokenizer (SmolLM2-135M-Instruct, from a local GGUF), a tiny
-random Llama, the engine modes (`engine_mode`) and leak checks for engine processes and ipc files."""
+random Llama, the engine modes (`engine_mode`) and leak checks for engine processes and ipc files.
+
+Without a CUDA device, `TRITON_INTERPRET=1` is set here, before any test module is imported: the
+variable is read when `@triton.jit` decorates a kernel, i.e. when `troupe.kernels.cuda` is first
+imported (by a kernel test, or by an engine built with `kernels="cuda", device="cpu"`), and it makes
+the Triton kernels run on CPU tensors under the interpreter. Engine processes the tests spawn inherit
+it. Nothing else in troupe uses triton; the AOT compile test removes it for its subprocess. With a GPU
+it stays unset and the same tests run compiled.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engines import INFRASTRUCTURE_PIDS, headless_engines
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -7,6 +7,13 @@ the same machine load. Prints the medians of `--repeats` rounds, the ratio again
 transformers batch size (of the medians, and per round), troupe's start-up time (constructor to
 ready) and peak memory (RSS of this process before transformers is loaded, and of the engine
 process); without `--skip-core`, also a bare `EngineCore` loop in this process.
+
+`--device cuda` runs both on the GPU (in `--dtype`, bfloat16 by default; troupe takes
+`--gpu-memory-utilization` of the GPU, leaving the rest to transformers in this process);
+`--random-model SPEC` benchmarks a randomly initialised Llama built from a config instead of the
+default model (`1b`: hidden 2048, 16 layers, 32 heads / 8 kv heads, ffn 8192, the default model's
+49152-token vocabulary); `--itl` adds single-stream inter-token latency (one request of `--itl-tokens`,
+troupe's from its request metrics, transformers' batch-1 `generate` as the baseline).
 """
 
 from __future__ import annotations
@@ -99,7 +106,42 @@ def peak_child_rss_gib() -> float:
 def troupe_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                enable_prefix_caching=False, multiprocess=args.multiprocess)
+                enable_prefix_caching=False, multiprocess=args.multiprocess, device=args.device,
+                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+
+
+RANDOM_MODELS = {"1b": "hidden=2048,layers=16,heads=32,kv_heads=8,intermediate=8192"}
+_RANDOM_KEYS = {"hidden": "hidden", "layers": "num_layers", "heads": "heads", "kv_heads": "kv_heads",
+                "intermediate": "intermediate", "max_len": "max_position_embeddings"}
+
+
+def random_model(spec: str, dtype: str, folder: str, device: str = "cpu") -> str:
+    """A randomly initialised Llama folder (HF layout, the default model's tokenizer) built from `spec`,
+    "key=value,..." over `_RANDOM_KEYS` or a name in `RANDOM_MODELS`; weights in `dtype`, nothing downloaded."""
+    from troupe.models.testing import make_tiny_model
+
+    shape: dict[str, int] = {}
+    for item in RANDOM_MODELS.get(spec, spec).split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in _RANDOM_KEYS or not value.strip().isdigit():
+            raise ValueError(f"--random-model: {item!r} is not KEY=INT with KEY in {sorted(_RANDOM_KEYS)} "
+                             f"(or a name in {sorted(RANDOM_MODELS)})")
+        shape[_RANDOM_KEYS[key.strip()]] = int(value)
+    stored = "float32" if dtype == "float32" else "bfloat16"
+    return str(make_tiny_model(folder, arch="llama", init_std=0.02, dtype=stored, device=device,
+                               **shape))  # type: ignore[arg-type]
+
+
+def itl_run(llm: Any, prompt: list[int], tokens: int) -> float:
+    """Seconds between consecutive tokens of one streaming-sized request alone in the engine (the mean gap
+    between its first and last token as the frontend received them)."""
+    from troupe import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    m = out.metrics
+    assert m is not None and m.first_token_time is not None and m.last_token_time is not None
+    return (m.last_token_time - m.first_token_time) / max(1, tokens - 1)
 
 
 def troupe_run(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
@@ -131,7 +173,8 @@ def core_run(args: argparse.Namespace, prompts: list[list[int]]) -> float:
 
 
 class HFRunner:
-    """transformers' batched `generate` on the same prompts (left padding), one batch size per run."""
+    """transformers' batched `generate` on the same prompts (left padding), one batch size per run, on
+    `--device` (CPU or the GPU)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
@@ -144,27 +187,42 @@ class HFRunner:
         path = resolve_model_path(args.model)
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+        self.device = torch.device(args.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        self.model = model.to(self.device).eval()
         self.prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.max_tokens = args.max_tokens
 
-    def run(self, batch_size: int) -> float:
+    def generate(self, chunk: list[list[int]], tokens: int) -> int:
+        """One left-padded batch of `tokens` new tokens each; returns the tokens produced (synced)."""
         import torch
 
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in chunk], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                      max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=self.pad)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return (out.shape[1] - width) * len(chunk)
+
+    def run(self, batch_size: int) -> float:
         t = time.perf_counter()
         produced = 0
         for start in range(0, len(self.prompts), batch_size):
-            chunk = self.prompts[start:start + batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            with torch.inference_mode():
-                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                          max_new_tokens=self.max_tokens, min_new_tokens=self.max_tokens,
-                                          pad_token_id=self.pad)
-            produced += (out.shape[1] - width) * len(chunk)
+            produced += self.generate(self.prompts[start:start + batch_size], self.max_tokens)
         return produced / (time.perf_counter() - t)
+
+    def itl(self, prompt: list[int], tokens: int) -> float:
+        """Batch-1 seconds per generated token after the first (`tokens` new tokens minus 1 new token)."""
+        t = time.perf_counter()
+        self.generate([prompt], 1)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        self.generate([prompt], tokens)
+        return (time.perf_counter() - t - first) / max(1, tokens - 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,12 +241,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hf-batch-sizes", default="16,64")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-core", action="store_true", help="skip the bare EngineCore loop (quicker)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where troupe and transformers run (auto: CUDA when torch sees a GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="troupe's share of the GPU (the rest is transformers'); CUDA only")
+    p.add_argument("--enforce-eager", action="store_true", help="troupe without CUDA graphs")
+    p.add_argument("--random-model", default=None, metavar="SPEC",
+                   help="benchmark a random Llama built from a config instead of --model: "
+                        f"{', '.join(RANDOM_MODELS)} or KEY=INT,... over {', '.join(_RANDOM_KEYS)}")
+    p.add_argument("--itl", action="store_true", help="also measure single-stream inter-token latency")
+    p.add_argument("--itl-tokens", type=int, default=256)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=True,
                       help="the EngineCore in its own process (the default)")
     mode.add_argument("--in-process", dest="multiprocess", action="store_false",
                       help="the EngineCore in this process (see python -m troupe.bench_ipc for both)")
     args = p.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.random_model:
+        import tempfile
+
+        scratch = tempfile.TemporaryDirectory(prefix="troupe-bench-model-")
+        t0 = time.perf_counter()
+        args.model = random_model(args.random_model, args.dtype, scratch.name, device=args.device)
+        print(f"  random model {args.random_model} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     from troupe import LLM
 
@@ -202,12 +281,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     frontend_rss = None
     hf: HFRunner | None = None
     try:
+        if args.device == "cuda":  # first calls (Triton's compiles, cuBLAS set-up) out of the measured runs
+            troupe_run(llm, prompts[:16], 4)
         for r in range(args.repeats):  # troupe and transformers take turns, so each round sees the same load
             runs["troupe"].append(troupe_run(llm, prompts, args.max_tokens))
             if frontend_rss is None:
                 frontend_rss = peak_rss_gib()  # before transformers' model is loaded into this process
             if sizes and hf is None:
                 hf = HFRunner(args)
+                if args.device == "cuda":
+                    hf.generate(hf.prompts[:max(sizes)], 4)
             for bs in sizes:
                 assert hf is not None
                 runs[f"hf{bs}"].append(hf.run(bs))
@@ -216,12 +299,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratios.append(runs["troupe"][-1] / max(runs[f"hf{bs}"][-1] for bs in sizes))
                 line += f" -> {ratios[-1]:.2f}x"
             print(f"  round {r}: {line} (output tok/s)", file=sys.stderr, flush=True)
+        if args.itl:
+            prompt = prompts[0][:64]
+            itl_run(llm, prompt, 8)  # warm-up
+            itl = statistics.median(itl_run(llm, prompt, args.itl_tokens) for _ in range(3))
+            hf_itl = None
+            if sizes:
+                assert hf is not None
+                hf_itl = hf.itl(prompt, args.itl_tokens)
     finally:
         llm.close()
     engine_rss = peak_child_rss_gib() if args.multiprocess else None
     med = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"engine: {'its own process' if args.multiprocess else 'in-process'}; "
-          f"medians of {args.repeats} alternating round(s)")
+    print(f"engine: {'its own process' if args.multiprocess else 'in-process'}; device {args.device} "
+          f"({gpu_name(args.device)}), dtype {args.dtype}, model {args.random_model or args.model}, "
+          f"{args.num_prompts} prompts x {args.max_tokens} tokens; medians of {args.repeats} alternating round(s)")
     print(f"troupe start-up (constructor to ready): {startup:.2f} s")
     print(f"troupe peak memory (RSS):               {frontend_rss:.2f} GiB (this process)")
     if engine_rss is not None:
@@ -237,8 +329,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         best = max(med[f"hf{bs}"] for bs in sizes)
         print(f"ratio troupe (LLM.generate) / best transformers: {med['troupe'] / best:.2f}x"
               f" (per round: {', '.join(f'{x:.2f}x' for x in ratios)})")
+    if args.itl:
+        line = f"single-stream ITL ({args.itl_tokens} tokens, median of 3): troupe {itl * 1e3:.2f} ms"
+        if hf_itl is not None:
+            line += f", transformers batch 1 {hf_itl * 1e3:.2f} ms -> {hf_itl / itl:.2f}x"
+        print(line)
     sys.stdout.flush()
     return 0
+
+
+def gpu_name(device: str) -> str:
+    if device != "cuda":
+        return "CPU"
+    import torch
+
+    return str(torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

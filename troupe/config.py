@@ -14,12 +14,14 @@ from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
-KERNEL_SETS = ("auto", "eager", "cpu")  # troupe.kernels.select: "auto" takes the best set this machine runs
+KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" takes the best set for the device
+DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # "auto", "bfloat16", "float32"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA; on CPU, bfloat16 only where it is native), "bfloat16", "float32"
+    device: str = "auto"  # where the model runs: "auto" (CUDA when torch sees a GPU), "cpu", "cuda"
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -28,6 +30,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     decode_row_cache_bytes: int | None = None  # eager decode attention's contiguous K/V rows; None: 2x the pool; 0: off
     kernels: str = "auto"  # the kernel set (troupe.kernels): "auto", or a name from KERNEL_SETS
+    # --- CUDA (docs/kernels.md, "Running on a GPU")
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (weights, activations, KV)
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -64,6 +69,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {value!r}")
         if self.kernels not in KERNEL_SETS:
             raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {self.kernels!r}")
+        if self.device not in DEVICES:
+            raise InvalidInputError("device", f"must be one of {list(DEVICES)}, got {self.device!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise InvalidInputError("gpu_memory_utilization", f"must be a fraction in (0, 1], got {util!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidInputError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -190,6 +190,6 @@ def test_sampling_on_gpu_matches_cpu_sampler() -> None:
     t = SamplingTensors.build(rows(), 49152, torch.Generator(), CUDA)
     ours = filtered_probs(masked_logits(logits.to(CUDA), t), t).cpu()
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    theirs = Sampler._probs([params[i] for i in random_rows], logits[random_rows].clone())
+    theirs = Sampler._probs([params[i] for i in random_rows], logits[random_rows].clone(), logits.shape[1])
     torch.testing.assert_close(ours[random_rows], theirs, atol=1e-5, rtol=1e-4)
     assert DeviceSampler(seed=9).sample(logits.to(CUDA), rows()) == Sampler(seed=9).sample(logits.clone(), rows())

@@ -36,7 +36,7 @@ from troupe.config import EngineConfig
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.model_runner import ModelRunner
 from troupe.core.request import Request
-from troupe.core.sampler import Sampler, SamplingRow
+from troupe.core.sampler import SamplingRow, make_sampler
 from troupe.core.scheduler import ScheduledRequest, Scheduler
 from troupe.errors import InvalidInputError
 from troupe.inputs import ModelLimits, validate_prompt_ids
@@ -59,7 +59,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    policy="priority" if config.scheduling_policy == "priority" else "fcfs")
-        self.sampler = Sampler(seed=config.seed)
+        self.sampler = make_sampler(self.runner.device, seed=config.seed)  # by the model's device
         self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []

@@ -7,13 +7,22 @@ positions `start_pos ..`, its K/V going to the blocks `block_ids` (slot of posit
 `(number of seqs with needs_logits, vocab)`, one row per such entry in order, taken at its last token.
 The KV pool is mutated in place; nothing else is. Not thread-safe: one step at a time.
 
-The kernel set (`troupe.kernels`, chosen by `EngineConfig.kernels` when the runner is built) flattens
-each step (`KernelSet.prepare`), allocates the pool in its own layout and runs the model's heavy ops;
-the runner only sizes the pool and asks for logits where a token is sampled.
+The kernel set (`troupe.kernels`, chosen by `EngineConfig.kernels` and `device` when the runner is
+built) flattens each step (`KernelSet.prepare`), allocates the pool in its own layout and runs the
+model's heavy ops; the runner only sizes the pool and asks for logits where a token is sampled.
 
-KV pool sizing (`num_blocks`): `num_kv_blocks` if given, else `kv_cache_memory_bytes`, else a default of
-`max_num_seqs * 512` tokens capped at `DEFAULT_KV_CAP_BYTES`: enough for a full batch of chat-sized
-requests without taking a large share of the machine's memory.
+Devices (`EngineConfig.device`, `troupe.kernels.select.resolve_device`): on the CPU the logits come back
+as CPU tensors. On CUDA the weights, the pool and the logits stay on the GPU (bf16 unless `dtype` says
+otherwise): a step moves token ids, positions, slots and block tables to the device (pinned, no sync),
+and `execute` returns the logits on the device for the device sampler (`troupe.core.sampler.make_sampler`),
+so only the sampled ids come back. Decode steps replay CUDA graphs captured at start-up
+(`troupe.kernels.cuda.graphs`; `enforce_eager` turns them off); other steps run eagerly.
+
+KV pool sizing (`num_blocks`): `num_kv_blocks` if given, else `kv_cache_memory_bytes`; else, on CUDA,
+what `gpu_memory_utilization` of the GPU leaves after the weights, a profiled largest step and the
+graphs' reserve (`troupe.core.gpu_memory`); on the CPU a default of `max_num_seqs * 512` tokens capped
+at `DEFAULT_KV_CAP_BYTES`: enough for a full batch of chat-sized requests without taking a large share
+of the machine's memory.
 
 `null_model=True` loads no weights and computes nothing: every row of logits picks one fixed text token
 (`null_token_id`), with no pool but the `num_blocks` a real pool would have, so scheduling, detokenizing
@@ -23,13 +32,20 @@ and benchmarks of the engine around the model behave as with the real model.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import structlog
 import torch
 
 from troupe.config import EngineConfig
+from troupe.core import gpu_memory
 from troupe.core.batch import ScheduledSeq
+from troupe.errors import InvalidInputError
 from troupe.kernels import KVSpec, select_kernels
-from troupe.models.loader import ModelInfo, load_model, read_model_info, resolve_model_path
+from troupe.kernels.select import model_dtype, resolve_device
+from troupe.models.loader import ModelInfo, load_model, read_model_info, resolve_dtype, resolve_model_path
+
+log = structlog.get_logger("troupe.runner")
 
 DEFAULT_KV_TOKENS_PER_SEQ = 512
 DEFAULT_KV_CAP_BYTES = 1 << 30
@@ -43,12 +59,16 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model_path = resolve_model_path(config.model)
         self.null_model = config.null_model
-        self.kernels = select_kernels(config)
+        self.device = resolve_device(config)
+        dtype = resolve_dtype(model_dtype(config, self.device))
+        self.kernels = select_kernels(config, self.device, dtype)
+        self.graphs: Any = None  # troupe.kernels.cuda.graphs.DecodeGraphs once captured
+        self.graph_reserve_bytes = 0  # what the pool sizing left the graphs (`gpu_memory`)
         if self.null_model:
             self.model = None
-            self.info: ModelInfo = read_model_info(self.model_path, config.dtype)
+            self.info: ModelInfo = read_model_info(self.model_path, dtype)
         else:
-            self.model, self.info = load_model(self.model_path, config.dtype, max_len=config.max_model_len,
+            self.model, self.info = load_model(self.model_path, dtype, max_len=config.max_model_len,
                                                kernels=self.kernels)
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.vocab_size = self.info.vocab_size
@@ -60,15 +80,19 @@ class ModelRunner:
                       head_dim=i.head_dim, dtype=i.dtype, max_model_len=self.max_model_len,
                       max_num_seqs=self.max_num_seqs)
         self.kv_bytes_per_token = self.kernels.kv_bytes_per_token(spec)  # K and V of all layers, one token
-        self.num_blocks = self._count_blocks(config)
+        self.kv_caches: list[Any] = []  # per layer (K, V)
+        on_gpu = self.device.type == "cuda" and not self.null_model
+        self.num_blocks = self._size_gpu_pool(config, spec) if on_gpu else self._count_blocks(config)
         self.kv_spec = dataclasses.replace(spec, num_blocks=self.num_blocks)
-        self.kv_caches = [] if self.null_model else self.kernels.allocate_kv(self.kv_spec)  # per layer (K, V)
+        self.kv_caches = [] if self.null_model else self.kernels.allocate_kv(self.kv_spec)
+        if on_gpu and not config.enforce_eager:
+            self._capture_graphs()
 
-    def _count_blocks(self, config: EngineConfig) -> int:
+    def _count_blocks(self, config: EngineConfig, gpu_budget: int | None = None) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         per_block = self.kv_bytes_per_token * self.block_size
-        budget = config.kv_cache_memory_bytes
+        budget = config.kv_cache_memory_bytes or gpu_budget
         if budget is None:
             budget = min(
                 config.max_num_seqs * DEFAULT_KV_TOKENS_PER_SEQ * self.kv_bytes_per_token,
@@ -76,13 +100,72 @@ class ModelRunner:
             )
         return max(1, budget // per_block)
 
+    def _size_gpu_pool(self, config: EngineConfig, spec: KVSpec) -> int:
+        """Blocks for the pool on the GPU: profile the largest step on a throw-away pool, then what
+        `gpu_memory_utilization` leaves (unless `num_kv_blocks` / `kv_cache_memory_bytes` say)."""
+        from troupe.core.sampler import SamplingRow
+        from troupe.kernels.cuda.sampling import DeviceSampler
+        from troupe.sampling_params import SamplingParams
+
+        seqs = gpu_memory.profile_seqs(config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                                       self.block_size)
+        scratch = dataclasses.replace(spec, num_blocks=sum(len(s.block_ids) for s in seqs))
+        self.kv_caches = self.kernels.allocate_kv(scratch)
+        scratch_bytes = scratch.num_blocks * self.block_size * self.kv_bytes_per_token
+        model_bytes = torch.cuda.memory_allocated() - scratch_bytes  # weights, rope table, step buffers
+        rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None) for _ in seqs]
+        activations = gpu_memory.profile_peak(lambda: self.execute(seqs),
+                                              lambda logits: DeviceSampler().sample(logits, rows))
+        self.kv_caches = []
+        total, other = gpu_memory.device_usage()
+        tokens = sum(len(s.token_ids) for s in seqs)
+        self.graph_reserve_bytes = gpu_memory.graph_reserve_bytes(activations, tokens, self.max_num_seqs)
+        graphs = 0 if config.enforce_eager else self.graph_reserve_bytes
+        mem = gpu_memory.GpuMemory(total=total, model=model_bytes, activations=activations, graphs=graphs, other=other)
+        budget = gpu_memory.kv_pool_bytes(mem, config.gpu_memory_utilization)
+        per_block = self.kv_bytes_per_token * self.block_size
+        overridden = config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None
+        if not overridden and budget < per_block:
+            raise InvalidInputError("gpu_memory_utilization", f"{config.gpu_memory_utilization} of the GPU's "
+                                    f"{total / gpu_memory.GiB:.2f} GiB leaves {budget / gpu_memory.GiB:.3f} GiB for "
+                                    "the KV cache after the weights, the activations of a "
+                                    f"{tokens}-token step and the CUDA graphs' reserve, less than one block: "
+                                    "raise it (at most 1), or lower max_num_batched_tokens")
+        blocks = self._count_blocks(config, gpu_budget=max(budget, per_block))
+        log.info("kv cache sized", device=str(self.device), utilization=config.gpu_memory_utilization,
+                 profile_tokens=tokens, **mem.fields(), kv_cache_gib=round(blocks * per_block / gpu_memory.GiB, 3),
+                 num_blocks=blocks, kv_tokens=blocks * self.block_size, overridden=overridden)
+        return blocks
+
+    def _capture_graphs(self) -> None:
+        """Decode CUDA graphs for batch sizes up to `max_num_seqs` (troupe.kernels.cuda.graphs)."""
+        from troupe.kernels.cuda.graphs import DecodeGraphs, capture_sizes
+
+        assert self.model is not None
+        kernels: Any = self.kernels
+        kernels.graph_max_seq_len = self.max_model_len
+        sizes = capture_sizes(self.max_num_seqs)
+        graphs = DecodeGraphs(self.info.arch.hidden_size, self.info.dtype, self.device, max(sizes))
+        model = self.model
+        with torch.inference_mode():
+            report = graphs.capture(sizes, lambda size: kernels.padding_batch(size, self.block_size),
+                                    lambda b: model(b.input_ids, b.positions, self.kv_caches, b.meta),
+                                    budget_bytes=2 * self.graph_reserve_bytes)
+        kernels.graph_sizes = report.captured
+        self.graphs = graphs
+        log.info("cuda graphs captured", sizes=report.captured, skipped=report.skipped, stopped_by=report.stopped_by,
+                 seconds=round(report.seconds, 2), pool_gib=round(report.pool_bytes / gpu_memory.GiB, 3),
+                 max_seq_len=self.max_model_len)
+
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; returns (num seqs with needs_logits, vocab) float32 logits, in order.
 
         1. The kernel set flattens the step (token ids, positions, attention metadata) on its device.
-        2. The model runs over every new token, writing K/V into the pool.
-        3. The LM head runs on the last token of each seq that needs logits; logits come back on the CPU.
+        2. The model runs over every new token, writing K/V into the pool; a decode step padded to a
+           captured size replays its CUDA graph instead.
+        3. The LM head runs on the last token of each seq that needs logits; logits come back on the CPU,
+           or stay on the GPU for the device sampler.
         """
         n_out = sum(s.needs_logits for s in seqs)
         if self.model is None:
@@ -93,5 +176,11 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size)
         assert max(s.start_pos + len(s.token_ids) for s in seqs) <= self.max_model_len, "a seq runs past max_model_len"
         batch = self.kernels.prepare(seqs, self.block_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # (T, hidden)
-        return self.model.compute_logits(hidden[batch.logits_indices]).cpu()  # (N, vocab)
+        size = getattr(batch.meta, "graph_size", 0)
+        if self.graphs is not None and size in self.graphs.graphs:
+            hidden = self.graphs.replay(batch)  # (N, hidden): every row of a graph step is sampled
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # (T, hidden)
+            hidden = hidden[batch.logits_indices]  # (N, hidden)
+        logits = self.model.compute_logits(hidden)  # (N, vocab)
+        return logits if self.device.type == "cuda" else logits.cpu()

