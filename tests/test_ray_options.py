@@ -21,6 +21,7 @@ from troupe.process.ray_placement import (
     fits_a_node,
     frontend_host,
     rank_bundle,
+    rank_device,
     rank_resources,
     unplaced_reason,
 )
@@ -94,6 +95,13 @@ def test_rank_bundle_is_ready_for_a_gpu() -> None:
     """A rank's bundle: its CPUs and extra resources; a GPU on cuda."""
     assert rank_bundle(4, "cpu", {"troupe_engine": 1}) == {"CPU": 4.0, "troupe_engine": 1.0}
     assert rank_bundle(1, "cuda") == {"CPU": 1.0, "GPU": 1.0}
+
+
+def test_rank_device_auto_follows_the_clusters_gpus() -> None:
+    """"auto" asks for a GPU only where the cluster has one; an explicit device is kept."""
+    cpu_nodes, gpu_nodes = [{"CPU": 8.0}], [{"CPU": 8.0}, {"CPU": 8.0, "GPU": 4.0}]
+    assert [rank_device("auto", cpu_nodes), rank_device("auto", gpu_nodes)] == ["cpu", "cuda"]
+    assert [rank_device("cpu", gpu_nodes), rank_device("cuda", cpu_nodes)] == ["cpu", "cuda"]
 
 
 def test_rank_resources_per_rank_or_shared() -> None:

@@ -16,7 +16,8 @@ Shutdown: every way out (normal, failed start-up, cancellation, crash) runs the 
 Start-up, `await tg.start(side.run)`:
 1. join the Ray session (connect, or start a local cluster);
 2. reserve the rank's placement group, one bundle (`rank_bundle`): the rank's CPU threads
-   (`num_threads`, else `default_rank_cpus`), a GPU on cuda, `ray_resources`. Not placed within
+   (`num_threads`, else `default_rank_cpus`), a GPU for `device="cuda"` (or "auto" on a cluster
+   with GPUs: `rank_device`), `ray_resources`. Not placed within
    `engine_ready_timeout_s` -> `EngineStartupError` naming the missing resources (logged at once
    when no node could hold it: an autoscaler may still add one);
 3. the EngineProcess binds its ROUTER (`bind_address`: `data_parallel_address` PORT + rank, or any
@@ -57,6 +58,7 @@ from troupe.process.ray_placement import (
     fits_a_node,
     frontend_host,
     rank_bundle,
+    rank_device,
     rank_resources,
     unplaced_reason,
 )
@@ -150,7 +152,7 @@ class RayEngine:
         if not self.num_cpus:
             self.num_cpus = default_rank_cpus([t.get("CPU", 0.0) for t in totals], self.config.data_parallel_size)
         self._host = frontend_host(nodes, own_node, own_ip)
-        self.bundle = rank_bundle(self.num_cpus, getattr(self.config, "device", "cpu"),
+        self.bundle = rank_bundle(self.num_cpus, rank_device(self.config.device, totals),
                                   rank_resources(self.config, self.engine_index))
         if not fits_a_node(self.bundle, totals):
             log.warning("no node can hold this rank's bundle now; waiting for one to join",

@@ -1,7 +1,7 @@
 """Where the ranks of `data_parallel_backend="ray"` go, in pure functions (no Ray call here).
 
-- `rank_bundle`, `rank_resources`, `default_rank_cpus`: one rank's placement group bundle, its extra
-  resources and its default CPU count.
+- `rank_bundle`, `rank_device`, `rank_resources`, `default_rank_cpus`: one rank's placement group
+  bundle, whether it holds a GPU, its extra resources and its default CPU count.
 - `fits_a_node`, `unplaced_reason`: whether a bundle can ever be placed; why it is not, naming the
   missing resources.
 - `frontend_host`: the address the actors reach the frontend at (loopback on a one-node cluster
@@ -27,6 +27,15 @@ def rank_bundle(num_cpus: int, device: str = "cpu", extra: Mapping[str, float] |
     if device == "cuda":
         bundle["GPU"] = 1.0
     return bundle
+
+
+def rank_device(device: str, node_totals: Sequence[Mapping[str, float]]) -> str:
+    """The device a rank's bundle is for: "cuda" asks for a GPU, "cpu" for none, and "auto" for one
+    when some alive node has a GPU (the engine's own "auto" then finds it: Ray hides every GPU from
+    an actor that asked for none)."""
+    if device == "auto":
+        return "cuda" if any(node.get("GPU", 0.0) >= 1 for node in node_totals) else "cpu"
+    return device
 
 
 def rank_resources(config: EngineConfig, rank: int) -> dict[str, float]:
