@@ -11,13 +11,14 @@ engine that joins a frontend with data-parallel engines elsewhere (docs/data_par
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
-from troupe.config import DEFAULT_MODEL
+from troupe.config import DEFAULT_MODEL, EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
@@ -46,6 +47,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="of those, how many this command starts (the others join with `troupe engine`)")
     g.add_argument("--data-parallel-address", default=None,
                    help="tcp://HOST:PORT where engines from elsewhere join (rank r on PORT + r)")
+    g.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                   help="mp: engine processes started here (and `troupe engine`s); ray: every rank a Ray actor")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster (default: RAY_ADDRESS, else a local cluster started here)")
+    g.add_argument("--ray-resources", type=_json_resources, default=None, metavar="JSON",
+                   help='extra resources of each rank\'s placement group bundle: {"name": amount}, or a list '
+                        "with one such object per rank")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +77,19 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 num_threads=args.num_threads, multiprocess=not args.in_process,
                 data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,
-                data_parallel_address=args.data_parallel_address)
+                data_parallel_address=args.data_parallel_address, data_parallel_backend=args.data_parallel_backend,
+                ray_address=args.ray_address, ray_resources=args.ray_resources)
+
+
+def _json_resources(text: str) -> Any:
+    """`--ray-resources`: a JSON object, or a list of them (argparse names the flag on error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict | list):
+        raise argparse.ArgumentTypeError('must be a JSON object {"name": amount} or a list of them')
+    return value
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -153,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("generate", "chat", "serve"):
+            EngineConfig(**engine_options(args))  # bad options (or Ray missing) fail here, before anything starts
         if args.command == "generate":
             anyio.run(_generate, args)
         elif args.command == "chat":

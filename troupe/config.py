@@ -6,11 +6,14 @@ allowed range.
 
 from __future__ import annotations
 
+import importlib.util
+
 import msgspec
 
 from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
 KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" takes the best set for the device
 DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
 
@@ -47,6 +50,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1  # EngineCores serving this frontend, behind the DP balancer
     data_parallel_size_local: int | None = None  # of those, spawned here (ranks 0..local-1); None: all
     data_parallel_address: str | None = None  # "tcp://HOST:PORT": rank r of the others connects to PORT + r
+    data_parallel_backend: str = "mp"  # "mp": processes spawned here (+ `troupe engine`s); "ray": every rank a Ray actor
+    ray_address: str | None = None  # the Ray cluster; None: RAY_ADDRESS if set, else a local one started here
+    ray_resources: dict[str, float] | list[dict[str, float]] | None = None  # extra resources of each rank's
+    # placement group bundle (custom ones pick the nodes), the same for every rank or one dict per rank
     # --- logging (docs/debugging.md)
     log_stats_interval_s: float | None = 10.0  # the periodic stats line (silent while idle); None: off
     fault_injection: str | None = None  # TEST-ONLY, see troupe/faults.py; None in real use
@@ -87,7 +94,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if local is not None and not 0 <= local <= self.data_parallel_size:
             raise InvalidInputError("data_parallel_size_local",
                                     f"must be in [0, {self.data_parallel_size}] (data_parallel_size), got {local!r}")
-        if self.num_remote_engines and not (self.data_parallel_address or "").startswith("tcp://"):
+        self._check_backend()
+        joining = self.num_remote_engines if self.data_parallel_backend == "mp" else 0
+        if joining and not (self.data_parallel_address or "").startswith("tcp://"):
             raise InvalidInputError("data_parallel_address", "must be tcp://HOST:PORT when engines join from "
                                     f"elsewhere (data_parallel_size_local={local}), got {self.data_parallel_address!r}")
         for name in ("engine_ready_timeout_s", "engine_hang_timeout_s", "engine_shutdown_timeout_s",
@@ -98,12 +107,50 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.engine_address is not None and not self.engine_address.startswith(("ipc://", "tcp://")):
             raise InvalidInputError("engine_address", f"must start with ipc:// or tcp://, got {self.engine_address!r}")
 
+    def _check_backend(self) -> None:
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise InvalidInputError("data_parallel_backend", f"must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
+        ray_set = [name for name in ("ray_address", "ray_resources") if getattr(self, name) is not None]
+        if self.data_parallel_backend == "mp":
+            if ray_set:
+                raise InvalidInputError(ray_set[0], "is only used with data_parallel_backend='ray'")
+            return
+        if not _ray_installed():
+            raise InvalidInputError("data_parallel_backend", f"'ray' needs Ray, which is not installed: {RAY_INSTALL_HINT}")
+        if self.data_parallel_size_local is not None:
+            raise InvalidInputError("data_parallel_size_local", "must be unset with data_parallel_backend='ray' "
+                                    f"(Ray places every rank), got {self.data_parallel_size_local!r}")
+        if self.data_parallel_address is not None and not self.data_parallel_address.startswith("tcp://"):
+            raise InvalidInputError("data_parallel_address", f"must be tcp://HOST:PORT, got {self.data_parallel_address!r}")
+        if (self.ray_address or "").startswith("ray://"):
+            raise InvalidInputError("ray_address", "Ray Client (ray://) is not supported: run troupe on a node of the "
+                                    f"cluster and give its GCS address (host:port, or 'auto'), got {self.ray_address!r}")
+        resources = self.ray_resources
+        if isinstance(resources, list) and len(resources) != self.data_parallel_size:
+            raise InvalidInputError("ray_resources", f"a list needs one dict per rank ({self.data_parallel_size}), "
+                                    f"got {len(resources)}")
+        for bundle in resources if isinstance(resources, list) else [resources or {}]:
+            for name, amount in bundle.items():
+                if name in ("CPU", "GPU") or not isinstance(amount, int | float) or not amount > 0:
+                    raise InvalidInputError("ray_resources", f"{name}={amount!r}: amounts must be numbers > 0 "
+                                            "(CPU and GPU come from num_threads and the device)")
+
     @property
     def num_local_engines(self) -> int:
-        """Engines this frontend starts itself (ranks 0 .. num_local_engines - 1)."""
+        """Engines this frontend starts itself (ranks 0 .. num_local_engines - 1); none with Ray."""
+        if self.data_parallel_backend == "ray":
+            return 0
         return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
 
     @property
     def num_remote_engines(self) -> int:
-        """Engines started elsewhere (`troupe engine --connect`) that join over TCP."""
+        """Engines started elsewhere (`troupe engine --connect`, or Ray actors) that join over TCP."""
         return self.data_parallel_size - self.num_local_engines
+
+
+def _ray_installed() -> bool:
+    """Whether `import ray` can work, without importing it (a second or more)."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # a blocked import (sys.modules["ray"] = None) raises ValueError
+        return False

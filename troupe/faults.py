@@ -21,8 +21,10 @@ Grammar: comma-separated `name=value` items.
   others go on.
 - `fail_after_tokens=K` (with either of the two above): the request fails on its (K+1)-th token
   instead of its first, so a stream has started (default 0).
-- `engine=R`: the step faults and `fail_sampling` apply to data-parallel rank R only (default:
-  every engine).
+- `fail_actor_init=MESSAGE`: a Ray engine actor's constructor raises `RuntimeError(MESSAGE)`
+  (troupe.process.ray_engines; the `engine=R` filter applies).
+- `engine=R`: the step faults, `fail_sampling` and `fail_actor_init` apply to data-parallel rank R
+  only (default: every engine).
 
 Ids are the engine's internal ids, `<the user's request id>-<8 hex digits>`, so a PREFIX that
 starts the user's id matches.
@@ -36,7 +38,7 @@ import threading
 from typing import Any
 
 _NAMES = {"raise_after_steps", "crash_after_steps", "block_after_steps", "block_startup", "fail_startup",
-          "release", "engine", "fail_sampling", "fail_detokenize", "fail_after_tokens"}
+          "fail_actor_init", "release", "engine", "fail_sampling", "fail_detokenize", "fail_after_tokens"}
 POLL_S = 0.01
 
 
@@ -68,6 +70,13 @@ def before_build(spec: str | None) -> None:
         wait_for_release(faults["release"])
     if "fail_startup" in faults:
         raise RuntimeError(faults["fail_startup"])
+
+
+def before_actor(spec: str | None, engine_index: int) -> None:
+    """A Ray engine actor's constructor fault (`fail_actor_init`)."""
+    faults = parse(spec)
+    if "fail_actor_init" in faults and int(faults.get("engine", engine_index)) == engine_index:
+        raise RuntimeError(faults["fail_actor_init"])
 
 
 def install(core: Any, spec: str | None) -> None:

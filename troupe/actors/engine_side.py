@@ -9,6 +9,8 @@ start with `await tg.start(side.run)` (returning once the engine is ready, or ra
   and runs the `EngineCoreActor` in the graph's task group.
 - `EngineProcess` (troupe.process.client, the default): the same actor in a spawned process,
   behind a ZMQ bridge; or (`remote=True`) in a headless engine that joins over TCP.
+- `RayEngine` (troupe.process.ray_engines, `data_parallel_backend="ray"`): that headless engine in
+  a Ray actor the side places and owns.
 
 `build_core` is shared by both: it applies the test-only fault hooks and turns any failure into
 `EngineStartupError` with the traceback text.
@@ -109,7 +111,12 @@ def make_engine_side(config: EngineConfig, inbox: MemoryObjectReceiveStream[Engi
                      outbox: MemoryObjectSendStream[EngineOutput], *,
                      make_core: MakeCore | None = None, engine_index: int = 0) -> EngineSide:
     """Rank `engine_index`'s side: ranks below `num_local_engines` start here (in this process with
-    `multiprocess=False`, else in a spawned one); the others are headless engines that join over TCP."""
+    `multiprocess=False`, else in a spawned one); the others are headless engines that join over TCP;
+    with `data_parallel_backend="ray"` every rank is a Ray actor (troupe.process.ray_engines)."""
+    if config.data_parallel_backend == "ray":
+        from troupe.process.ray_engines import RayEngine
+
+        return RayEngine(config, inbox, outbox, engine_index=engine_index)
     remote = engine_index >= config.num_local_engines
     if not remote and not config.multiprocess:
         return InProcessEngine(config, inbox, outbox, make_core=make_core, engine_index=engine_index)

@@ -28,7 +28,10 @@ child. The ROUTER binds at `data_parallel_address` PORT + rank and waits (up to
 `engine_ready_timeout_s`) for the engine's hello, then sends it the configuration (`EngineStart`).
 The death signal is the connection dropping (a ZMQ socket monitor; TCP heartbeats catch a host that
 vanished); shutdown is `EngineShutdown` and a bounded wait for the connection to close — the engine's
-owner is whoever started it.
+owner is whoever started it. With a `launcher` (an `EngineLauncher`: Ray, troupe.process.ray_engines)
+the ROUTER binds where the launcher says, the launcher starts the engine once it listens, and its
+word that the engine is gone is a death signal too: a dropped connection waits up to
+`LAUNCHER_CAUSE_GRACE_S` for it, so the reported death carries the launcher's cause.
 
 Log lines the engine forwards (`EngineLog`) are written here through the frontend's logging.
 """
@@ -42,7 +45,7 @@ import pickle
 import shutil
 import traceback
 from multiprocessing.process import BaseProcess
-from typing import NamedTuple, assert_never
+from typing import NamedTuple, Protocol, assert_never
 
 import anyio
 import structlog
@@ -81,6 +84,25 @@ log = structlog.get_logger("troupe.engine_process")
 STREAM_BUFFER = 64
 TERM_WAIT_S = 2.0  # after SIGTERM, before SIGKILL
 KILL_WAIT_S = 5.0
+LAUNCHER_CAUSE_GRACE_S = 2.0  # a dropped connection waits this long for the launcher's cause
+
+
+class EngineLauncher(Protocol):
+    """Starts a remote rank's headless engine and watches it (troupe.process.ray_engines). Whoever
+    made the launcher owns what it starts; `EngineProcess` only calls these three."""
+
+    @property
+    def bind_address(self) -> str:
+        """Where the frontend's ROUTER binds: tcp://HOST:PORT (PORT may be "*": any free port)."""
+        ...
+
+    async def launch(self, endpoint: str) -> None:
+        """Start the engine, connecting to the bound `endpoint`; returns without waiting for it."""
+        ...
+
+    async def wait_gone(self) -> str:
+        """Return once the engine is gone (exited, killed, its host lost), with the cause in words."""
+        ...
 
 
 class EngineProcessStats(NamedTuple):
@@ -94,7 +116,8 @@ class EngineProcessStats(NamedTuple):
 class EngineProcess:
     def __init__(self, config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
                  outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None,
-                 engine_index: int = 0, remote: bool = False) -> None:
+                 engine_index: int = 0, remote: bool = False, launcher: EngineLauncher | None = None) -> None:
+        assert launcher is None or remote, "a launcher starts remote engines only"
         if make_core is not None:
             try:
                 if getattr(make_core, "__module__", None) == "__main__":
@@ -110,6 +133,9 @@ class EngineProcess:
         self._inbox = inbox
         self._outbox = outbox
         self._make_core = make_core
+        self._launcher = launcher
+        self._launcher_done: anyio.Event | None = None  # set once the launcher reported the engine gone
+        self._lost = False  # a loss was reported (once: the launcher and the connection may both see it)
         self._pid: int | None = None
         self._exitcode: int | None = None
         self._bridge: Bridge[ToEngine, FromEngine] | None = None
@@ -148,6 +174,7 @@ class EngineProcess:
 
     async def _run(self, task_status: TaskStatus[None]) -> None:
         from_wire_send, from_wire_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
+        self._launcher_done = anyio.Event()
         notify = from_wire_send.clone()  # the monitor's way in: after what the bridge delivered
         async with self._outbox, from_wire_send, from_wire_recv, notify:
             with self._address() as (address, ipc_dir):
@@ -166,6 +193,9 @@ class EngineProcess:
                                 tg.start_soon(self._monitor, proc, notify)
                             else:
                                 tg.start_soon(self._watch_connection, bridge, notify)
+                            if self._launcher is not None:
+                                await self._launcher.launch(bridge.endpoint)
+                                tg.start_soon(self._watch_launcher, self._launcher, notify)
                             self._ready = await self._handshake(from_wire_recv, ipc_dir, bridge)
                             task_status.started()
                             await self._relay(from_wire_recv)
@@ -177,6 +207,8 @@ class EngineProcess:
                                 await self._stop_remote(bridge)
 
     def _address(self) -> contextlib.AbstractContextManager[tuple[str, str | None]]:
+        if self._launcher is not None:
+            return contextlib.nullcontext((self._launcher.bind_address, None))
         if self.remote:
             assert self.config.data_parallel_address is not None
             return contextlib.nullcontext((rank_address(self.config.data_parallel_address, self.engine_index), None))
@@ -252,14 +284,28 @@ class EngineProcess:
     async def _watch_connection(self, bridge: Bridge[ToEngine, FromEngine],
                                 notify: MemoryObjectSendStream[FromEngine]) -> None:
         await bridge.disconnected.wait()
-        await self._report_loss(notify, "EngineDisconnected",
-                                f"the connection to headless engine {self.engine_index} dropped")
+        what = f"the connection to headless engine {self.engine_index} dropped"
+        if self._launcher is not None:
+            assert self._launcher_done is not None
+            with anyio.move_on_after(LAUNCHER_CAUSE_GRACE_S):
+                await self._launcher_done.wait()
+            if self._launcher_done.is_set():
+                return  # the launcher reported it, with its cause
+            what += f" (its launcher gave no cause within {LAUNCHER_CAUSE_GRACE_S:g} s)"
+        await self._report_loss(notify, "EngineDisconnected", what)
+
+    async def _watch_launcher(self, launcher: EngineLauncher, notify: MemoryObjectSendStream[FromEngine]) -> None:
+        assert self._launcher_done is not None
+        cause = await launcher.wait_gone()
+        await self._report_loss(notify, "EngineLost", cause)
+        self._launcher_done.set()
 
     async def _report_loss(self, notify: MemoryObjectSendStream[FromEngine], error_type: str, what: str,
                            **fields: object) -> None:
         """The engine went away without being asked: a failed start-up before ready, else EngineDead."""
-        if self._stopping:
+        if self._stopping or self._lost:
             return
+        self._lost = True
         if self._ready is None:
             await notify.send(EngineStartupFailed(self.engine_index, error_type, what, ""))
         else:

@@ -20,7 +20,8 @@ Log lines go to the frontend over the same socket (troupe.process.logs), which w
 
 `run_headless_engine` is the same engine started by hand (`troupe engine --connect`), possibly on
 another host: no parent to watch, so it exits when the frontend's connection drops; and it has no
-configuration of its own: the frontend sends it (`EngineStart`) after the hello.
+configuration of its own: the frontend sends it (`EngineStart`) after the hello. A Ray actor runs
+it too (`serve_headless`, troupe.process.ray_engines).
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ def run_headless_engine(address: str, rank: int, *, num_threads: int | None = No
     the next one, with a fresh EngineCore (its configuration may differ); only a signal stops it.
     """
     target = rank_address(address, rank)  # a bad address fails before anything is set up
+    return serve_headless(target, rank, num_threads=num_threads, log_level=log_level,
+                          start_timeout_s=start_timeout_s, serve_forever=serve_forever)
+
+
+def serve_headless(target: str, rank: int, *, num_threads: int | None = None, log_level: str | None = None,
+                   start_timeout_s: float | None = None, serve_forever: bool = False) -> int:
+    """`run_headless_engine` at exactly `target`, the frontend's endpoint for this rank (a launcher
+    that was told it: troupe.process.ray_engines)."""
     os.environ.update(engine_omp_settings())  # effective if torch is not loaded yet (the CLI defers it)
     forward = configure_child_logging(log_level)
     structlog.contextvars.bind_contextvars(engine=rank, pid=os.getpid())
