@@ -63,7 +63,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama with the default model's tokenizer, built once per session."""
-    from troupe.models.testing import make_tiny_model
+    from troupe.testing.models import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
 

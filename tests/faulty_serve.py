@@ -1,4 +1,4 @@
-"""`troupe serve` with a TEST-ONLY engine fault (troupe/faults.py), for the server lifecycle tests.
+"""`troupe serve` with a TEST-ONLY engine fault (troupe/testing/faults.py), for the server lifecycle tests.
 
     python tests/faulty_serve.py SPEC [serve arguments...]
 

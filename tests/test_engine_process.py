@@ -2,7 +2,7 @@
 
 Each test owns its engine (most of them break it) and checks afterwards that no engine process and
 no ipc socket file is left (`check_leftovers`, from /proc and the ipc dir, not assumed). Faults come
-from the test-only `fault_injection` hook (troupe/faults.py), from signals, or from a broken model
+from the test-only `fault_injection` hook (troupe/testing/faults.py), from signals, or from a broken model
 folder. Waiting is on events or on polled conditions under a deadline, never on a bare sleep.
 """
 

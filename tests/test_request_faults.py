@@ -1,6 +1,6 @@
 """Per-request fault isolation: a failure that belongs to one request fails that request alone.
 
-The test-only fault hook (troupe/faults.py) makes one request's sampling raise in the engine
+The test-only fault hook (troupe/testing/faults.py) makes one request's sampling raise in the engine
 (`fail_sampling`) and another's detokenization raise in the frontend (`fail_detokenize`); in every
 engine mode (`engine_mode`) the poisoned requests finish with finish_reason "error" and the error
 text, every other request finishes as if nothing happened, no request state or KV block is left,

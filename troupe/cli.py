@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        log_level=args.log_level, start_timeout_s=args.start_timeout,
                                        serve_forever=args.serve_forever)
         elif args.command == "bench":
-            from troupe.bench import main as bench_main
+            from troupe.bench.offline import main as bench_main
 
             return bench_main(args.rest)
     except KeyboardInterrupt:

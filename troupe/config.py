@@ -56,7 +56,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # placement group bundle (custom ones pick the nodes), the same for every rank or one dict per rank
     # --- logging (docs/debugging.md)
     log_stats_interval_s: float | None = 10.0  # the periodic stats line (silent while idle); None: off
-    fault_injection: str | None = None  # TEST-ONLY, see troupe/faults.py; None in real use
+    fault_injection: str | None = None  # TEST-ONLY, see troupe/testing/faults.py; None in real use
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):

@@ -27,11 +27,11 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe import faults
 from troupe.config import EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.messages import EngineInput, EngineOutput
 from troupe.process.protocol import EngineReady
+from troupe.testing import faults
 
 if TYPE_CHECKING:
     from troupe.actors.engine_core_actor import EngineCoreActor

@@ -38,7 +38,6 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
-from troupe import faults
 from troupe.actors.dp_balancer import DPBalancer
 from troupe.actors.engine_side import EngineSide, MakeCore, make_engine_side
 from troupe.actors.input_processor import FrontendInput, InputProcessor
@@ -50,6 +49,7 @@ from troupe.inputs import ModelLimits
 from troupe.messages import EngineInput, EngineOutput, SchedulerStats
 from troupe.models.loader import load_tokenizer, resolve_model_path
 from troupe.process.protocol import EngineReady
+from troupe.testing import faults
 
 log = structlog.get_logger("troupe.graph")
 GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its caller's task, whose

@@ -44,7 +44,6 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe import faults
 from troupe.config import EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.log import trace_enabled
@@ -63,6 +62,7 @@ from troupe.process.ray_placement import (
     unplaced_reason,
 )
 from troupe.process.ray_session import ray_session
+from troupe.testing import faults
 
 log = structlog.get_logger("troupe.ray_engine")
 

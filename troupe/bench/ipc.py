@@ -1,4 +1,4 @@
-"""`python -m troupe.bench_ipc`: what the engine process boundary costs, and the frontend's ceiling.
+"""`python -m troupe.bench.ipc`: what the engine process boundary costs, and the frontend's ceiling.
 
 - `offline`: the offline workload of `troupe.bench` (64 prompts of 20..400 tokens, 128 new tokens,
   greedy, default model, bf16) through `LLM.generate`, with the EngineCore in its own process and
@@ -27,7 +27,7 @@ import anyio
 
 def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
     from troupe import LLM
-    from troupe.bench import alternate_offline
+    from troupe.bench.offline import alternate_offline
 
     opts = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
                 num_threads=args.threads, enable_prefix_caching=False)
@@ -55,7 +55,7 @@ def scheduler_only_core(config: Any) -> Any:
 
 async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list[float]]:
     from troupe import AsyncLLM
-    from troupe.bench import stream_requests
+    from troupe.bench.offline import stream_requests
 
     runs: dict[str, list[float]] = {}
     for mode in args.modes.split(","):
@@ -84,7 +84,7 @@ def _report(title: str, runs: dict[str, list[float]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m troupe.bench_ipc", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.ipc", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", default="all", choices=["all", "offline", "null", "scheduler-only"])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.which in ("all", "null"):
         _report(f"null model, {shape}:", anyio.run(bench_null, args, None))
     if args.which in ("all", "scheduler-only"):
-        from troupe.bench_ipc import scheduler_only_core  # by its module name: the engine process imports it
+        from troupe.bench.ipc import scheduler_only_core  # by its module name: the engine process imports it
         _report(f"scheduler-only engine (null model, no logits, no sampler), {shape}: "
                 "the frontend + IPC + detokenization ceiling", anyio.run(bench_null, args, scheduler_only_core))
     if args.which in ("all", "offline"):

@@ -1,6 +1,6 @@
 """Serving benchmark: many concurrent streaming clients against `troupe serve` on loopback.
 
-    python -m troupe.server.bench [--url http://127.0.0.1:8000] [--clients 64] [--requests 256]
+    python -m troupe.bench.server [--url http://127.0.0.1:8000] [--clients 64] [--requests 256]
                                   [--max-tokens 128] [--prompt-words 100] [--model MODEL] [-- serve args]
 
 Without `--url` it starts `troupe serve MODEL --port 0 [serve args]` itself and stops it (SIGTERM)
@@ -143,7 +143,7 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m troupe.server.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.server", description=__doc__.split("\n")[0])
     p.add_argument("--url", default=None, help="a running server; default: start one")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model for the server started here")
     p.add_argument("--served-model", default=None, help="the `model` field (default: the first served)")

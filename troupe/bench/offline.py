@@ -118,7 +118,7 @@ _RANDOM_KEYS = {"hidden": "hidden", "layers": "num_layers", "heads": "heads", "k
 def random_model(spec: str, dtype: str, folder: str, device: str = "cpu") -> str:
     """A randomly initialised Llama folder (HF layout, the default model's tokenizer) built from `spec`,
     "key=value,..." over `_RANDOM_KEYS` or a name in `RANDOM_MODELS`; weights in `dtype`, nothing downloaded."""
-    from troupe.models.testing import make_tiny_model
+    from troupe.testing.models import make_tiny_model
 
     shape: dict[str, int] = {}
     for item in RANDOM_MODELS.get(spec, spec).split(","):
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--multiprocess", dest="multiprocess", action="store_true", default=True,
                       help="the EngineCore in its own process (the default)")
     mode.add_argument("--in-process", dest="multiprocess", action="store_false",
-                      help="the EngineCore in this process (see python -m troupe.bench_ipc for both)")
+                      help="the EngineCore in this process (see python -m troupe.bench.ipc for both)")
     args = p.parse_args(argv)
     if args.device == "auto":
         import torch

@@ -1,4 +1,4 @@
-"""`python -m troupe.bench_dp`: data parallelism on this machine, and where the frontend stops scaling.
+"""`python -m troupe.bench.dp`: data parallelism on this machine, and where the frontend stops scaling.
 
 - `offline`: the offline workload of `troupe.bench` (64 prompts of 20..400 tokens, 128 new tokens,
   greedy, ignore_eos) through `LLM.generate` on the default model, with 1 engine x `--threads`
@@ -26,7 +26,7 @@ import anyio
 
 def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
     from troupe import LLM
-    from troupe.bench import alternate_offline
+    from troupe.bench.offline import alternate_offline
 
     base = dict(model=args.model, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=1024,
                 enable_prefix_caching=False, log_stats_interval_s=None)
@@ -45,7 +45,7 @@ def bench_offline(args: argparse.Namespace) -> dict[str, list[float]]:
 
 async def bench_null(args: argparse.Namespace) -> dict[int, tuple[list[float], list[float]]]:
     from troupe import AsyncLLM
-    from troupe.bench import stream_requests
+    from troupe.bench.offline import stream_requests
 
     results: dict[int, tuple[list[float], list[float]]] = {}
     for n in (int(s) for s in args.sizes.split(",")):
@@ -65,7 +65,7 @@ async def bench_null(args: argparse.Namespace) -> dict[int, tuple[list[float], l
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m troupe.bench_dp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.dp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", default="all", choices=["all", "offline", "null"])
     p.add_argument("--model", default="smollm2-135m-instruct")

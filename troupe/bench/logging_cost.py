@@ -1,4 +1,4 @@
-"""`python -m troupe.bench_logging`: what troupe's logging costs offline throughput, trace disabled.
+"""`python -m troupe.bench.logging_cost`: what troupe's logging costs offline throughput, trace disabled.
 
 Workload: `--num-prompts` prompts of 20..400 tokens, `--max-tokens` new tokens each (greedy,
 ignore_eos) through `LLM.generate`, with the EngineCore in this process and the null model by
@@ -176,7 +176,7 @@ def bench(args: argparse.Namespace) -> dict[str, list[float]]:
     """Runs of each mode: "<mode>" output tokens per wall second, "<mode> cpu" per CPU second of
     this process (all threads: the engine runs in it), which other programs' load disturbs less."""
     from troupe import LLM, SamplingParams
-    from troupe.bench import make_prompts
+    from troupe.bench.offline import make_prompts
     from troupe.log import configure_logging
 
     sink = open(os.devnull, "w")  # noqa: SIM115  (closed below)
@@ -219,7 +219,7 @@ def bench(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m troupe.bench_logging", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.logging_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--null-model", action=argparse.BooleanOptionalAction, default=True,

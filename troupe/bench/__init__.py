@@ -1,0 +1,9 @@
+"""Benchmarks: each module is a CLI that prints figures and their ratio against a baseline measured in
+the same run (figures in docs/benchmarks.md).
+
+- `offline` (`troupe bench`, `python -m troupe.bench`): offline throughput against transformers.
+- `dp` (`python -m troupe.bench.dp`): data parallelism and the frontend's ceiling.
+- `ipc` (`python -m troupe.bench.ipc`): what the engine process boundary costs.
+- `logging_cost` (`python -m troupe.bench.logging_cost`): what logging costs offline throughput.
+- `server` (`python -m troupe.bench.server`): concurrent clients against an OpenAI-compatible server.
+"""
