@@ -17,15 +17,19 @@ from typing import Any
 
 import anyio
 
-from troupe.config import DEFAULT_MODEL
+from troupe.config import DEFAULT_MODEL, QUANTIZATIONS
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face style folder, or the default model's name")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a Hugging Face style folder, a .gguf file, or the default model's name")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations) or expand them "
+                        "to float32 (dequantize); auto: gguf for a .gguf file")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -56,7 +60,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,

@@ -12,6 +12,7 @@ from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KERNEL_SETS = ("auto", "eager", "cpu")  # troupe.kernels.select: "auto" takes the best set this machine runs
+QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8")  # troupe.models.loader.resolve_quantization
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -25,6 +26,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     decode_row_cache_bytes: int | None = None  # eager decode attention's contiguous K/V rows; None: 2x the pool; 0: off
     kernels: str = "auto"  # the kernel set (troupe.kernels): "auto", or a name from KERNEL_SETS
+    # GGUF weights (docs/kernels.md): "auto" (a GGUF keeps its blocks, a folder its dtype), "dequantize"
+    # (expand to float32 at load: the reference), "gguf" (blocks, float32 activations), "gguf-q8" (blocks,
+    # 8-bit activations: needs kernels="cpu")
+    quantization: str = "auto"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -57,6 +62,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {value!r}")
         if self.kernels not in KERNEL_SETS:
             raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {self.kernels!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

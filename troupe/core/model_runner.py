@@ -49,7 +49,7 @@ class ModelRunner:
             self.info: ModelInfo = read_model_info(self.model_path, config.dtype)
         else:
             self.model, self.info = load_model(self.model_path, config.dtype, max_len=config.max_model_len,
-                                               kernels=self.kernels)
+                                               kernels=self.kernels, quantization=config.quantization)
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.vocab_size = self.info.vocab_size
         self.max_num_seqs = config.max_num_seqs

@@ -22,14 +22,18 @@ def select_kernels(config: EngineConfig) -> KernelSet:
     name = config.kernels
     if name not in KERNEL_SETS:
         raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {name!r}")
+    q8 = config.quantization == "gguf-q8"
     if name == "cpu":
         from troupe.kernels.cpu import CpuKernels
         from troupe.kernels.cpu.build import BuildError
 
         try:
-            return CpuKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
+            return CpuKernels(decode_row_cache_bytes=config.decode_row_cache_bytes, quantize_activations=q8)
         except BuildError as exc:
             raise InvalidInputError("kernels", f"'cpu' cannot run here: {exc}") from exc
+    if q8:
+        raise InvalidInputError("quantization", f"'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
+                                f"kernels={name!r} runs the eager set, which expands the blocks to float32")
     from troupe.kernels.eager import EagerKernels
 
     return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)

@@ -14,14 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from troupe.models.default_model import ensure_default_model
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
+from troupe.models.default_model import find_default_gguf
+from troupe.models.gguf_tokenizer import MARKER, TOKENIZER_FILES, tokenizer_folder
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
@@ -55,11 +49,11 @@ def make_tiny_model(
         raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {arch!r}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    src = ensure_default_model()
+    src = tokenizer_folder(find_default_gguf())
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
-    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((src / MARKER).read_text())["vocab_size"]
     head_dim = hidden // heads
     config: dict[str, Any] = {
         "architectures": [_ARCHS[arch]],

@@ -24,7 +24,8 @@ class CpuKernels(EagerKernels):
 
     name = "cpu"
 
-    def __init__(self, decode_row_cache_bytes: int | None = None) -> None:
+    def __init__(self, decode_row_cache_bytes: int | None = None, quantize_activations: bool = False) -> None:
         if not available():
             raise BuildError("the compiled CPU kernels cannot be built here (see the warning logged above)")
         super().__init__(decode_row_cache_bytes)
+        self.quantize_activations = quantize_activations  # "gguf-q8": 8-bit activations for quantized weights
