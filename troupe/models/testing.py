@@ -16,6 +16,7 @@ from typing import Any
 
 from troupe.models.default_model import find_default_gguf
 from troupe.models.gguf_tokenizer import MARKER, TOKENIZER_FILES, tokenizer_folder
+
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 

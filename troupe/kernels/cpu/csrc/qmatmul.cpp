@@ -7,9 +7,9 @@
 // split across threads in every one; each weight block is decoded once per call.
 // - rows (M <= 4, decode): a block is decoded into registers and multiplied into all M rows at once;
 //   memory-bound: the weights stream once.
-// - tiles (M > 4): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all
-//   M rows by it with the single-threaded float32 GEMM of the MKL inside torch (`sgemm_`, which torch's
-//   library exports) -- or, where a torch build has none, with our own register-blocked kernel (panel).
+// - panel (M > 4): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all M
+//   rows by it with a register-blocked dot-product kernel (measured level with oneDNN's packed float32
+//   GEMM on the same shapes, on both ISAs; a BLAS sgemm per tile was slower).
 //
 // Also: dequantize (W -> float32), embedding (the looked-up rows only).
 #include <ATen/Parallel.h>
@@ -104,120 +104,94 @@ void rows_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t r
 
 // ------------------------------------------------------------------------------- panel path (moderate M)
 //
-// A vector runs over M: C^T[n][m..m+W) += W[n][k] * x^T[k][m..m+W). x is packed once per call into blocks
-// of MB = MV * W rows, each (K, MB) (zero padded past M), so a block's K-slice of KC rows (KC x MB floats,
-// 32 KiB) stays in L1 while every register tile of a weight tile sweeps it. A thread decodes NT weight rows
-// into a scratch of NT x K floats (decoded rows stay K-contiguous; the kernel reads them as broadcast
-// scalars), then for each block of rows and each K-slice runs NR x mv register tiles over the NT rows.
+// A thread decodes a tile of NT weight rows into a 64-byte aligned float32 scratch (NT x K), then computes
+// every out[m][n] of the tile as a dot product along K with an MR x NR register tile (MR rows of x against
+// NR decoded rows: MR + NR vector loads feed MR * NR FMAs), reducing NR accumulators at once into one
+// 4-float store.
 
 #if defined(__AVX512F__)
-constexpr int MV = 4;  // vectors over M per register tile (x NR accumulators)
+constexpr int MR = 6;
 #else
-constexpr int MV = 2;
+constexpr int MR = 3;
 #endif
-constexpr int MB = MV * W;  // rows of x per packed block
-constexpr int NT = 48;      // weight rows decoded per tile (a multiple of every NR below)
-constexpr int64_t KC = 4096;
+constexpr int NR = 4;  // fixed: the reduction stores 4 sums
 
-// acc[n * MB + m] += sum_{k < kc} p[n * ldp + k] * xb[k * MB + m]  (n < nr, m < mv * W)
-template <int nr, int mv>
-inline void micro(const float* xb, const float* p, int64_t ldp, int64_t kc, float* acc_io) {
-  Vf acc[nr][mv];
-  for (int n = 0; n < nr; ++n)
-    for (int j = 0; j < mv; ++j) acc[n][j] = vload(acc_io + n * MB + j * W);
-  for (int64_t k = 0; k < kc; ++k) {
-    Vf xv[mv];
-    for (int j = 0; j < mv; ++j) xv[j] = vload(xb + k * MB + j * W);
-    for (int n = 0; n < nr; ++n) {
-      const Vf wb = vset1(p[n * ldp + k]);
-      for (int j = 0; j < mv; ++j) acc[n][j] = vfma(wb, xv[j], acc[n][j]);
-    }
-  }
-  for (int n = 0; n < nr; ++n)
-    for (int j = 0; j < mv; ++j) vstore(acc_io + n * MB + j * W, acc[n][j]);
+// Weight rows per tile: 32 for decode-sized M; for larger M as many as fit ~512 KiB of L2 (every row of x
+// streams once per tile), but at least two tiles per thread.
+inline int64_t tile_rows(int64_t M, int64_t N, int64_t K) {
+  if (M <= 64) return 32;
+  const int64_t by_cache = std::max<int64_t>(32, (int64_t{1} << 19) / (4 * K));
+  const int64_t by_threads = (N + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+  return std::max<int64_t>(8, (std::min(by_cache, by_threads) + NR - 1) / NR * NR);
 }
 
-// all NT rows of a tile, one K-slice: NR chosen so that NR * mv accumulators fit in registers
-template <int mv>
-inline void micro_tile(const float* xb, const float* p, int64_t ldp, int64_t kc, float* acc) {
+// the sums of the lanes of a0..a3, as one 4-float vector
+inline __m128 sum4(Vf a0, Vf a1, Vf a2, Vf a3) {
 #if defined(__AVX512F__)
-  constexpr int nr = mv == 4 ? 6 : mv == 3 ? 8 : mv == 2 ? 12 : 24;
+  __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 #else
-  constexpr int nr = mv == 2 ? 6 : 12;
+  __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
+  __m256 s = _mm256_hadd_ps(s01, s23);
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 #endif
-  static_assert(NT % nr == 0, "a tile is whole register tiles");
-  for (int n = 0; n < NT; n += nr) micro<nr, mv>(xb, p + n * ldp, ldp, kc, acc + n * MB);
 }
 
-inline void micro_tile_any(int mv, const float* xb, const float* p, int64_t ldp, int64_t kc, float* acc) {
-  if constexpr (MV == 4) {
-    if (mv == 4) return micro_tile<4>(xb, p, ldp, kc, acc);
-    if (mv == 3) return micro_tile<3>(xb, p, ldp, kc, acc);
-  }
-  if (mv == 2) return micro_tile<2>(xb, p, ldp, kc, acc);
-  micro_tile<1>(xb, p, ldp, kc, acc);
-}
-
-// Fortran BLAS sgemm, exported by torch's own library (MKL inside); weak: null where a build lacks it.
-extern "C" void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-                       const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc) __attribute__((weak));
-
-constexpr int64_t BLAS_NT = 96;  // weight rows per tile on the BLAS variant
-
-// out[:, n0 : n0 + nt] = x @ tile^T per thread tile, the tile decoded into a per-thread scratch
-template <int Q>
-void panel_blas(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
-                const float* bias) {
-  const int64_t tiles = (N + BLAS_NT - 1) / BLAS_NT;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    AlignedBuffer scratch(static_cast<size_t>(BLAS_NT * K));
-    float* p = scratch.data();
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * BLAS_NT, nt = std::min<int64_t>(BLAS_NT, N - n0);
-      for (int64_t r = 0; r < nt; ++r) decode_row<Q>(w + (n0 + r) * row_bytes, K, p + r * K);
-      const int m = static_cast<int>(nt), n = static_cast<int>(M), k = static_cast<int>(K), ldc = static_cast<int>(N);
-      const float one = 1.0f, zero = 0.0f;
-      sgemm_("T", "N", &m, &n, &k, &one, p, &k, x, &k, &zero, out + n0, &ldc);
-      if (bias)
-        for (int64_t i = 0; i < M; ++i)
-          for (int64_t j = 0; j < nt; ++j) out[i * N + n0 + j] += bias[n0 + j];
+// out[m * ldo + n] = dot(x[m], p[n]) (+ bias[n]) for m < mr, n < NR; p: NR decoded rows of K floats
+template <int mr>
+inline void micro(const float* x, int64_t ldx, const float* p, int64_t K, float* out, int64_t ldo, const float* bias) {
+  Vf acc[mr][NR];
+  for (int m = 0; m < mr; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = vzero();
+  for (int64_t k = 0; k < K; k += W) {
+    Vf pv[NR];
+    for (int n = 0; n < NR; ++n) pv[n] = vload(p + n * K + k);
+    for (int m = 0; m < mr; ++m) {
+      const Vf xv = vload(x + m * ldx + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = vfma(xv, pv[n], acc[m][n]);
     }
-  });
+  }
+  const __m128 b = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+  for (int m = 0; m < mr; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), b));
+}
+
+template <int mr>
+inline void micro_any(int mr_rt, const float* x, int64_t ldx, const float* p, int64_t K, float* out, int64_t ldo,
+                      const float* bias) {
+  if constexpr (mr > 1) {
+    if (mr_rt < mr) return micro_any<mr - 1>(mr_rt, x, ldx, p, K, out, ldo, bias);
+  }
+  micro<mr>(x, ldx, p, K, out, ldo, bias);
 }
 
 template <int Q>
 void panel_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
                 const float* bias) {
-  const int64_t blocks = (M + MB - 1) / MB;
-  AlignedBuffer xbuf(static_cast<size_t>(blocks * K * MB));  // blocks of (K, MB), 64-byte aligned
-  float* xpd = xbuf.data();
-  std::fill(xpd, xpd + blocks * K * MB, 0.0f);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      float* dst = xpd + b * K * MB;
-      for (int64_t m = b * MB; m < std::min<int64_t>(M, (b + 1) * MB); ++m)
-        for (int64_t k = 0; k < K; ++k) dst[k * MB + (m - b * MB)] = x[m * K + k];
-    }
-  });
+  const int64_t NT = tile_rows(M, N, K);
   const int64_t tiles = (N + NT - 1) / NT;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    AlignedBuffer scratch(static_cast<size_t>(NT * K)), accbuf(static_cast<size_t>(NT * MB));
+    AlignedBuffer scratch(static_cast<size_t>(NT * K)), tail(static_cast<size_t>(MR * NR));
     float* p = scratch.data();
-    float* acc = accbuf.data();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
       for (int64_t r = 0; r < nt; ++r) decode_row<Q>(w + (n0 + r) * row_bytes, K, p + r * K);
-      if (nt < NT) std::fill(p + nt * K, p + NT * K, 0.0f);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t m0 = b * MB, mm = std::min<int64_t>(MB, M - m0);
-        const int mv = static_cast<int>((mm + W - 1) / W);
-        std::fill(acc, acc + NT * MB, 0.0f);
-        for (int64_t k0 = 0; k0 < K; k0 += KC)
-          micro_tile_any(mv, xpd + b * K * MB + k0 * MB, p + k0, K, std::min(KC, K - k0), acc);
-        for (int64_t m = 0; m < mm; ++m) {
-          float* o = out + (m0 + m) * N + n0;
-          for (int64_t n = 0; n < nt; ++n) o[n] = acc[n * MB + m] + (bias ? bias[n0 + n] : 0.0f);
+      const int64_t padded = (nt + NR - 1) / NR * NR;
+      if (padded > nt) std::fill(p + nt * K, p + padded * K, 0.0f);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        for (int64_t r = 0; r < padded; r += NR) {
+          const float* bb = bias ? bias + n0 + r : nullptr;
+          if (r + NR <= nt) {
+            micro_any<MR>(mr, x + m0 * K, K, p + r * K, K, out + m0 * N + n0 + r, N, bb);
+          } else {  // the last, partial group of rows: through a small buffer
+            micro_any<MR>(mr, x + m0 * K, K, p + r * K, K, tail.data(), NR, nullptr);
+            for (int m = 0; m < mr; ++m)
+              for (int64_t n = 0; n < nt - r; ++n)
+                out[(m0 + m) * N + n0 + r + n] = tail.data()[m * NR + n] + (bias ? bias[n0 + r + n] : 0.0f);
+          }
         }
       }
     }
@@ -290,8 +264,7 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "troupe_qmm: bias must be (N,) float32");
     b = bias->data_ptr<float>();
   }
-  // -1: choose by M; 0 rows, 1 panel, 2 BLAS tiles (where torch exports sgemm; else panel): forced by tests
-  if (path < 0) path = M <= ROWS_MAX_M ? 0 : 2;
+  if (path < 0) path = M <= ROWS_MAX_M ? 0 : 1;  // -1: by M; 0 rows, 1 panel: forced (tests, benchmarks)
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -300,9 +273,7 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
   const float* xp = xc.data_ptr<float>();
   dispatch(qtype, [&](auto q) {
     constexpr int Q = decltype(q)::value;
-    if (path == 2 && sgemm_ != nullptr) {
-      panel_blas<Q>(xp, M, K, wp, rb, N, o, b);
-    } else if (path == 0) {
+    if (path == 0) {
       for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX_M)
         rows_path<Q>(xp + m0 * K, std::min(ROWS_MAX_M, M - m0), K, wp, rb, N, o + m0 * N, b);
     } else {
@@ -312,10 +283,7 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
   return out;
 }
 
-bool qmatmul_has_blas() { return sgemm_ != nullptr; }
-
 TORCH_LIBRARY(troupe_qmm, m) {
-  m.def("has_blas() -> bool", &qmatmul_has_blas);
   m.def("linear(Tensor x, Tensor w, int qtype, Tensor? bias, int path) -> Tensor", &qmatmul_linear);
   m.def("dequantize(Tensor w, int qtype, int k) -> Tensor", &qmatmul_dequantize);
   m.def("embedding(Tensor w, int qtype, int k, Tensor ids) -> Tensor", &qmatmul_embedding);
