@@ -1,4 +1,5 @@
-"""Greedy equality with Hugging Face transformers on the default model (float32, same weights).
+"""Greedy equality with Hugging Face transformers on the default model (float32, same weights: troupe runs
+the GGUF, transformers the folder it converts to).
 
 16 prompts of 5..300 tokens go into one EngineCore together, so chunked prefill and mixed
 prefill/decode steps happen; 32 new tokens each. Every sequence must equal HF's greedy output, or,
@@ -20,7 +21,8 @@ from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
 from troupe.core.engine_core import EngineCore
 from troupe.messages import AddRequest
-from troupe.models.loader import load_tokenizer, resolve_model_path
+from troupe.models.default_model import ensure_default_model
+from troupe.models.loader import load_tokenizer
 from troupe.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -46,7 +48,8 @@ class Oracle:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Any:
-    return resolve_model_path(None)
+    """The default model's GGUF expanded to an HF float32 folder: transformers' copy of troupe's weights."""
+    return ensure_default_model()
 
 
 def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[list[int]]:
