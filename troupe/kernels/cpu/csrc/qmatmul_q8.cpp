@@ -1,8 +1,9 @@
 // The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk, integer dot products with the weight
 // blocks (quant_q8.h has the formats and the arithmetic). Each weight block is decoded to bytes once per
-// group of up to 4 rows of x and multiplied into all of them; N is split across threads. Rows beyond
-// Q8_MAX_M, and the float formats (F32/F16/BF16), take the output-exact float path (qmatmul.cpp): at
-// prefill sizes the float GEMM is as fast (docs/kernels.md) and exact.
+// group of up to 4 rows of x and multiplied into all of them; N is split across threads. Batches of more
+// than Q8_MAX_M rows, and the float formats (F32/F16/BF16), take the output-exact float path
+// (qmatmul.cpp): once a decoded block is reused over several rows, float FMAs do as much per instruction
+// as the integer dot plus its per-chunk scaling (docs/kernels.md has the figures).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,8 +21,12 @@ namespace {
 
 using namespace troupe_quant;
 
-constexpr int64_t Q8_ROWS = 4;     // rows of x per pass over the weights
-constexpr int64_t Q8_MAX_M = 256;  // larger batches: the float path
+constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
+#if defined(__AVX512F__)
+constexpr int64_t Q8_MAX_M = 2;  // larger batches: the float path (measured crossover)
+#else
+constexpr int64_t Q8_MAX_M = 4;
+#endif
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
