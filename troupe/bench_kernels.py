@@ -17,6 +17,7 @@ what an AVX2-only machine runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -67,11 +68,12 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
         for q in qtypes:
             groups.setdefault(k0 if k0 % q.block_size == 0 else k0 // 256 * 256, []).append(q)
         for k, group in groups.items():
-            weights = {}
+            weights: dict[QType, QuantizedTensor] = {}
             for q in group:
                 w = random_quantized(q, n, k, g)
-                weights[q] = w if isinstance(w, QuantizedTensor) else None
-            dense = next((w.dequantize() for w in weights.values() if w is not None), torch.randn(n, k) * 0.1)
+                if isinstance(w, QuantizedTensor):  # F32 is the eager baseline itself
+                    weights[q] = w
+            dense = next((w.dequantize() for w in weights.values()), torch.randn(n, k) * 0.1)
             eager = Linear(dense.clone())
             eager.pack()
             for m in rows:
@@ -80,11 +82,9 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                 x = torch.randn(m, k, generator=g)
                 cands: dict[str, Callable[[], float]] = {"eager": _time(lambda: eager(x))}  # noqa: B023
                 for q, w in weights.items():
-                    if w is None:
-                        continue
-                    cands[q.name] = _time(lambda w=w: ops.linear(x, w.data, int(w.qtype), None, -1))  # noqa: B023
+                    cands[q.name] = _time(functools.partial(ops.linear, x, w.data, int(q), None, -1))
                     if q8 and q not in (QType.F16, QType.BF16):
-                        cands[q.name + " q8"] = _time(lambda w=w: ops.linear_q8(x, w.data, int(w.qtype), None, -1))  # noqa: B023
+                        cands[q.name + " q8"] = _time(functools.partial(ops.linear_q8, x, w.data, int(q), None, -1))
                 times: dict[str, list[float]] = {c: [] for c in cands}
                 for _ in range(repeats):
                     for c, sample in cands.items():
@@ -95,7 +95,6 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                     if c == "eager":
                         continue
                     w = weights[QType[c.split()[0]]]
-                    assert w is not None
                     print(f"| {name} | {n}x{k} | {m} | {c} | {t * 1e6:.0f} | {w.nbytes / t / 1e9:.1f} | "
                           f"{flops / t / 1e9:.0f} | {med['eager'] * 1e6:.0f} | {med['eager'] / t:.2f} |", flush=True)
 
