@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from troupe import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from troupe import LLM, AsyncLLM, EngineDeadError, InvalidInputError, RequestOutputKind, SamplingParams
 
 ENGINE: dict[str, Any] = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=512)
 
@@ -129,3 +129,32 @@ def test_ctrl_c_returns_control_quickly(tiny_llama: Path, tmp_path: Path, engine
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_bad_prompt_in_a_batch_raises_its_own_error(llm: LLM) -> None:
+    """One invalid prompt among good ones: the batch raises InvalidInputError naming the field (never
+    an ExceptionGroup), the prompts already submitted are aborted, and the next batch runs."""
+    good = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate(["fine", "also fine", {"prompt_token_ids": [10**7]}], good, use_tqdm=False)
+    assert info.value.field == "prompt_token_ids"
+    assert llm._engine.num_unfinished_requests == 0
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(["again", "x"], good, use_tqdm=False)] == [3, 3]
+
+
+def test_after_a_death_every_call_raises_engine_dead(tiny_llama: Path, engine_mode: dict[str, Any],
+                                                     check_leftovers: Any) -> None:
+    """The model fails during a batch: generate raises EngineDeadError with the cause (not an
+    ExceptionGroup); so do every later generate, chat and utility call; close() is clean."""
+    with LLM(str(tiny_llama), fault_injection="raise_after_steps=2", **ENGINE, **engine_mode) as dying:
+        pids = dying._engine.engine_pids
+        sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match="injected model failure"):
+            dying.generate([f"doomed {i}" for i in range(4)], sp, use_tqdm=False)
+        calls: list[Any] = [lambda: dying.generate("after", sp, use_tqdm=False),
+                            lambda: dying.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False),
+                            dying.get_stats, dying.reset_prefix_cache, dying.get_tokenizer]
+        for call in calls:
+            with pytest.raises(EngineDeadError, match="injected model failure"):
+                call()
+    check_leftovers(pids)

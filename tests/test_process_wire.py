@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,41 @@ async def test_bridges_carry_messages_and_answer_bad_frames(tmp_path: Path) -> N
             assert await e_out_recv.receive() == AbortRequest(["good"])
             assert engine.statistics().bad_frames == 1
     assert os.listdir(tmp_path) == []
+
+
+async def test_a_connection_to_itself_is_noticed() -> None:
+    """A connecting bridge whose TCP connection has itself at the other end (what a socket retrying a free
+    local port can get: here forced with ZMQ's `source;destination` address) sets `looped`, never
+    `connected`; a normal connection to a listening bridge sets `connected` and not `looped`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def dealer(address: str) -> tuple[Bridge[FromEngine, ToEngine], Any]:
+        out_send, out_recv = anyio.create_memory_object_stream[ToEngine](8)
+        in_send, in_recv = anyio.create_memory_object_stream[FromEngine](8)
+        bridge = Bridge(address, bind=False, identity=engine_identity(0), inbox=in_recv, outbox=out_send,
+                        decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input, watch_connection=True)
+        return bridge, (out_send, out_recv, in_send, in_recv)
+
+    looped, streams = dealer(f"tcp://127.0.0.1:{port};127.0.0.1:{port}")
+    with anyio.fail_after(10):
+        async with looped:
+            await looped.looped.wait()
+            assert not looped.connected.is_set()
+    for stream in streams:
+        stream.close()
+    f_in_send, f_in_recv = anyio.create_memory_object_stream[ToEngine](8)
+    f_out_send, f_out_recv = anyio.create_memory_object_stream[FromEngine](8)
+    frontend = Bridge(f"tcp://127.0.0.1:{port}", bind=True, identity=engine_identity(0), inbox=f_in_recv,
+                      outbox=f_out_send, decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output)
+    normal, streams = dealer(f"tcp://127.0.0.1:{port}")
+    with anyio.fail_after(10):
+        async with frontend, normal, f_in_send, f_out_recv:
+            await normal.connected.wait()
+            assert not normal.looped.is_set()
+    for stream in streams:
+        stream.close()
 
 
 async def test_engine_process_answers_bad_frames_over_tcp(tiny_llama: Path, check_leftovers: Any) -> None:

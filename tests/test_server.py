@@ -188,7 +188,7 @@ _COMPLETION_ERRORS = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [1] * 3000}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": [1, 2, 10**7]}, "prompt_token_ids"),
+    ({"prompt": [1, 2, 10**7]}, "prompt"),  # the request field, not the engine's name for it
 ]
 
 

@@ -241,10 +241,10 @@ async def test_draining_refuses_new_work_and_abort_all_ends_streams() -> None:
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
-    ({"messages": [], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [], "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"messages": [], "store": True}, "store"),
-    ({"messages": [], "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities"),
 ])
 def test_unsupported_values_are_named(body: dict[str, Any], param: str) -> None:
     """A non-neutral value of a field troupe does not implement is a 400 naming that field."""
@@ -257,7 +257,7 @@ def test_unsupported_values_are_named(body: dict[str, Any], param: str) -> None:
 
 @pytest.mark.parametrize("body", [
     {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "user": "u"},
-    {"messages": [], "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+    {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
      "top_logprobs": 0, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
 ])
 def test_neutral_values_are_accepted(body: dict[str, Any]) -> None:

@@ -107,3 +107,53 @@ def test_a_model_that_cannot_load_exits_3(tmp_path: Path) -> None:
     with ServerProcess([str(tmp_path / "no-such-model"), *TINY], tmp_path / "logs", wait_healthy=False) as srv:
         assert srv.wait_exit(180) == 3
         assert "no-such-model" in srv.stderr_tail(200)
+
+
+def test_one_request_failing_leaves_the_server_serving(tiny_llama: Path, tmp_path: Path) -> None:
+    """Requests that used to kill the engine get a normal answer (`min_tokens`) or a 400 naming
+    `seed` (2**70); a request whose sampling fails after 2 tokens gets a final SSE error event
+    (streamed) or a 500 OpenAI error (not streamed) while a request beside it finishes; /health
+    stays 200 and the server serves on."""
+    with ServerProcess([str(tiny_llama), *TINY], tmp_path,
+                       module=[*FAULTY, "fail_sampling=poison,fail_after_tokens=2"]) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "min_tokens": 2})
+            assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            resp = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "seed": 2**70, "temperature": 1})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "seed"
+            body = {"prompt": "poisoned", "max_tokens": 10, "stream": True, "ignore_eos": True}
+            with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": "poison-stream"}) as resp:
+                assert resp.status_code == 200
+                payloads = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
+            assert payloads[-1] == "[DONE]"
+            error = json.loads(payloads[-2])["error"]
+            assert error["code"] == "request_failed" and "injected sampling failure" in error["message"]
+            assert any(json.loads(p).get("choices") for p in payloads[:-2])  # it had started
+
+            async def side_by_side() -> tuple[httpx.Response, httpx.Response]:
+                async with httpx.AsyncClient(base_url=srv.url, timeout=60) as ahttp:
+                    body = {"prompt": "together", "max_tokens": 6, "ignore_eos": True}
+                    with anyio.fail_after(60):
+                        bad, good = await _gather(ahttp.post("/v1/completions", json=body,
+                                                             headers={"X-Request-Id": "poison-plain"}),
+                                                  ahttp.post("/v1/completions", json=body))
+                return bad, good
+
+            bad, good = anyio.run(side_by_side)
+            assert bad.status_code == 500 and bad.json()["error"]["code"] == "request_failed"
+            assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 6
+            assert http.get("/health").status_code == 200
+            resp = http.post("/v1/completions", json={"prompt": "still here", "max_tokens": 3})
+            assert resp.status_code == 200
+
+
+async def _gather(*coros: Any) -> list[Any]:
+    results: list[Any] = [None] * len(coros)
+
+    async def one(i: int, coro: Any) -> None:
+        results[i] = await coro
+
+    async with anyio.create_task_group() as tg:
+        for i, coro in enumerate(coros):
+            tg.start_soon(one, i, coro)
+    return results

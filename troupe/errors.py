@@ -8,9 +8,15 @@
   root cause and its traceback text. Nothing is left running.
 - `EngineHungError`: raised by `check_health()` when the engine is alive but has finished no step
   for `engine_hang_timeout_s` while requests wait. Nothing is killed.
+
+A request that fails on its own (its sampling, its detokenization, ...) raises nothing: it finishes
+with finish_reason "error" and `RequestOutput.error`. `single_error` picks the one exception the
+facades raise when several tasks failed at once, so an `ExceptionGroup` never reaches a user.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class InvalidInputError(ValueError):
@@ -62,6 +68,29 @@ class EngineHungError(RuntimeError):
                          f"request(s) wait (engine_hang_timeout_s={timeout_s:g}); it was not stopped")
         self.stalled_s = stalled_s
         self.waiting = waiting
+
+
+def leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    """Every exception inside (nested) groups, depth first."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def single_error(group: BaseExceptionGroup[Any], prefer: BaseException | None = None) -> BaseException:
+    """The one exception the facades raise for a group that crossed task groups (an
+    `ExceptionGroup` never reaches a troupe user): `prefer` (what the caller's own code raised)
+    when it is the group or inside it; else the first `KeyboardInterrupt`/`SystemExit`, then
+    `EngineStartupError`, `EngineDeadError`, any other `Exception`; a cancellation last."""
+    found = leaves(group)
+    if prefer is not None and (prefer is group or any(e is prefer for e in found)):
+        return prefer
+    for kinds in ((KeyboardInterrupt, SystemExit), (EngineStartupError,), (EngineDeadError,), (Exception,)):
+        for exc in found:
+            if isinstance(exc, kinds):
+                return exc
+    return found[0]
 
 
 def first_startup_error(group: BaseExceptionGroup[EngineStartupError]) -> EngineStartupError:

@@ -13,7 +13,19 @@ Grammar: comma-separated `name=value` items.
   hung engine; the test creates the file to let it go on).
 - `block_startup=1`: building the engine blocks until `release=PATH` exists (a slow start-up).
 - `fail_startup=MESSAGE`: building the engine raises `RuntimeError(MESSAGE)`.
-- `engine=R`: the step faults above apply to data-parallel rank R only (default: every engine).
+- `fail_sampling=PREFIX`: sampling raises `RuntimeError("injected sampling failure")` whenever a
+  request whose id starts with PREFIX is among the rows (batched or alone): that request fails
+  with finish_reason "error", the others in its batch are sampled again one by one and go on.
+- `fail_detokenize=PREFIX` (frontend side): detokenizing any output of a request whose id starts
+  with PREFIX raises `RuntimeError("injected detokenization failure")`: that request fails, the
+  others go on.
+- `fail_after_tokens=K` (with either of the two above): the request fails on its (K+1)-th token
+  instead of its first, so a stream has started (default 0).
+- `engine=R`: the step faults and `fail_sampling` apply to data-parallel rank R only (default:
+  every engine).
+
+Ids are the engine's internal ids, `<the user's request id>-<8 hex digits>`, so a PREFIX that
+starts the user's id matches.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import threading
 from typing import Any
 
 _NAMES = {"raise_after_steps", "crash_after_steps", "block_after_steps", "block_startup", "fail_startup",
-          "release", "engine"}
+          "release", "engine", "fail_sampling", "fail_detokenize", "fail_after_tokens"}
 POLL_S = 0.01
 
 
@@ -59,10 +71,14 @@ def before_build(spec: str | None) -> None:
 
 
 def install(core: Any, spec: str | None) -> None:
-    """Step faults: wrap `core.runner.execute` (the model call of one step)."""
+    """Engine faults: wrap `core.runner.execute` (the model call of one step) and `core.sampler.sample`."""
     faults = parse(spec)
+    if "engine" in faults and int(faults["engine"]) != getattr(core, "engine_index", 0):
+        return
+    if "fail_sampling" in faults:
+        _fail_sampling(core.sampler, faults["fail_sampling"], int(faults.get("fail_after_tokens", 0)))
     step_faults = {k: int(v) for k, v in faults.items() if k.endswith("_after_steps")}
-    if not step_faults or ("engine" in faults and int(faults["engine"]) != getattr(core, "engine_index", 0)):
+    if not step_faults:
         return
     real = core.runner.execute
     calls = 0
@@ -79,3 +95,55 @@ def install(core: Any, spec: str | None) -> None:
         return real(seqs)
 
     core.runner.execute = execute
+
+
+def _fail_sampling(sampler: Any, prefix: str, after: int) -> None:
+    real = sampler.sample
+    sampled: dict[str, int] = {}  # tokens sampled so far for each matching request
+
+    def sample(logits: Any, rows: Any) -> Any:
+        matching = [row.request_id for row in rows if row.request_id.startswith(prefix)]
+        if any(sampled.get(rid, 0) >= after for rid in matching):
+            raise RuntimeError("injected sampling failure")
+        tokens = real(logits, rows)
+        for rid in matching:
+            sampled[rid] = sampled.get(rid, 0) + 1
+        return tokens
+
+    sampler.sample = sample
+
+
+def install_frontend(processor: Any, spec: str | None) -> None:
+    """Frontend faults: requests matching `fail_detokenize` get a detokenizer that raises."""
+    faults = parse(spec)
+    prefix = faults.get("fail_detokenize")
+    if prefix is None:
+        return
+    after = int(faults.get("fail_after_tokens", 0))
+    real = processor.add_request
+
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> None:
+        real(request_id, *args, **kwargs)
+        if request_id.startswith(prefix):
+            state = processor._states[request_id]
+            state.detokenizer = _FailingDetokenizer(state.detokenizer, after)
+
+    processor.add_request = add_request
+
+
+class _FailingDetokenizer:
+    """A request's detokenizer whose `update` raises once more than `after` tokens came; everything
+    else is the real one's."""
+
+    def __init__(self, inner: Any, after: int) -> None:
+        self._inner = inner
+        self._after = after
+
+    def update(self, new_token_ids: list[int], *args: Any, **kwargs: Any) -> str | None:
+        if len(self._inner.token_ids) + len(new_token_ids) > self._after:
+            raise RuntimeError("injected detokenization failure")
+        result: str | None = self._inner.update(new_token_ids, *args, **kwargs)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -16,7 +16,7 @@ from typing import Any
 
 from troupe.errors import InvalidInputError
 from troupe.messages import AddRequest
-from troupe.sampling_params import SamplingParams
+from troupe.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 PromptType = str | Mapping[str, Any]
 ChatMessages = Sequence[Mapping[str, Any]]
@@ -85,8 +85,8 @@ def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: b
         text = tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template)
-    except ValueError as exc:  # no template, or a template error
-        raise InvalidInputError("messages", f"chat template failed: {exc}") from exc
+    except Exception as exc:  # no template, or the template refused the conversation (jinja2's TemplateError)
+        raise InvalidInputError("messages", f"chat template failed: {type(exc).__name__}: {exc}") from exc
     return str(text)
 
 
@@ -119,16 +119,19 @@ def build_request(
     """Validate and resolve one request (max_tokens, EOS ids, a unique internal id)."""
     if not isinstance(params, SamplingParams):
         raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
+    params.verify()  # again: the struct is mutable, and a field changed since construction must not reach the engine
     validate_prompt_ids(prompt_token_ids, limits)
     for t in params.stop_token_ids or ():
         if t >= limits.vocab_size:
             raise InvalidInputError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
-    if not isinstance(priority, int):
-        raise InvalidInputError("priority", f"must be an integer, got {priority!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+        raise InvalidInputError("priority", f"must be a signed 64-bit integer, got {priority!r}")
     if priority != 0 and not limits.priority_scheduling:
         raise InvalidInputError("priority", f"got {priority}, but the engine schedules first-come-first-served; "
                                 "start it with scheduling_policy='priority' to use priorities")
-    if data_parallel_rank is not None and not 0 <= data_parallel_rank < limits.data_parallel_size:
+    if data_parallel_rank is not None and (
+            isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int)
+            or not 0 <= data_parallel_rank < limits.data_parallel_size):
         raise InvalidInputError(
             "data_parallel_rank",
             f"must be in [0, {limits.data_parallel_size - 1}] (data_parallel_size={limits.data_parallel_size}), "

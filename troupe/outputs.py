@@ -92,7 +92,8 @@ class RequestOutput(msgspec.Struct, gc=False):
 
     `finished` is True on exactly one output per request: the last one.
     `num_cached_tokens` is the number of prompt tokens served from the prefix cache.
-    `metrics` is set on the final output only.
+    `metrics` is set on the final output only. `error` says why a request with finish_reason
+    "error" failed (on its final output), else None.
     """
 
     request_id: str
@@ -103,6 +104,7 @@ class RequestOutput(msgspec.Struct, gc=False):
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a newer output of the same request into this one, in place.
@@ -116,6 +118,8 @@ class RequestOutput(msgspec.Struct, gc=False):
         self.num_cached_tokens = next_output.num_cached_tokens or self.num_cached_tokens
         if next_output.metrics is not None:
             self.metrics = next_output.metrics
+        if next_output.error is not None:
+            self.error = next_output.error
         if next_output.prompt_logprobs is not None:
             self.prompt_logprobs = next_output.prompt_logprobs
         for new in next_output.outputs:

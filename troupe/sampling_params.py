@@ -10,7 +10,9 @@ never silently ignored.
 from __future__ import annotations
 
 import enum
+import math
 import warnings
+from typing import Any
 
 import msgspec
 
@@ -18,6 +20,7 @@ from troupe.errors import InvalidInputError
 
 _GREEDY_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what crosses the engine boundary, and a torch seed's range
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -52,20 +55,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Normalise and validate every field (idempotent); raises `InvalidInputError` naming the
+        field. Runs at construction, and again when a request is submitted (the struct is mutable)."""
         if self.seed == -1:
             self.seed = None
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _string_list("stop", self.stop)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty"):
+            _real(field, getattr(self, field))
         if 0 < self.temperature < _MIN_TEMPERATURE:
             warnings.warn(
                 f"temperature {self.temperature} is below {_MIN_TEMPERATURE}; using {_MIN_TEMPERATURE}",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             self.temperature = _MIN_TEMPERATURE
         self._verify()
@@ -80,16 +86,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         def bad(field: str, message: str) -> InvalidInputError:
             return InvalidInputError(field, message)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        _integer("n", self.n, 1, INT64_MAX)
         if self.n != 1:
             raise bad("n", f"n > 1 is not supported yet by troupe (got {self.n})")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
         for field, value, neutral in (
             ("presence_penalty", self.presence_penalty, 0.0),
             ("frequency_penalty", self.frequency_penalty, 0.0),
@@ -97,41 +102,38 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ):
             if value != neutral:
                 raise bad(field, f"penalties are not supported yet by troupe (got {value})")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", f"must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        _integer("top_k", self.top_k, -1, INT64_MAX, "(0 or -1 disables it)")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.seed is not None:
+            _integer("seed", self.seed, INT64_MIN, INT64_MAX, "or None (-1 means None)")
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1, INT64_MAX, "or None")
+        _integer("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             raise bad("logprobs", "logprobs are not supported yet by troupe")
         if self.prompt_logprobs is not None:
             raise bad("prompt_logprobs", "prompt_logprobs are not supported yet by troupe")
-        assert isinstance(self.stop, list)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise bad("stop", f"stop strings must be non-empty strings, got {s!r}")
+        for field in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                      "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, f"must be true or false, got {getattr(self, field)!r}")
         if self.stop and not self.detokenize:
             raise bad("stop", "stop strings need detokenize=True")
-        assert isinstance(self.stop_token_ids, list)
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = [k.name for k in RequestOutputKind]
+            if isinstance(self.output_kind, bool) or not isinstance(self.output_kind, int):
+                raise bad("output_kind", f"must be one of {kinds}, got {self.output_kind!r}")
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except ValueError:
-                raise bad("output_kind", f"must be one of {[k.name for k in RequestOutputKind]}") from None
+                raise bad("output_kind", f"must be one of {kinds}, got {self.output_kind!r}") from None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -140,3 +142,57 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self) -> SamplingParams:
         return msgspec.structs.replace(self)
+
+
+def _real(field: str, value: Any) -> None:
+    """A number (int or float, not bool): the range checks in `_verify` compare it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInputError(field, f"must be a number, got {value!r}")
+
+
+def _integer(field: str, value: Any, lo: int, hi: int, extra: str = "") -> None:
+    """An int (not bool) in [lo, hi]; `extra` adds to the message what else is allowed."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        upper = "" if hi == INT64_MAX else f" and <= {hi}"
+        more = f" {extra}" if extra else ""
+        if lo == INT64_MIN:
+            rng = "a signed 64-bit integer (-2**63 <= seed < 2**63)"
+        else:
+            rng = f"an integer >= {lo}{upper} (and < 2**63)"
+        raise InvalidInputError(field, f"must be {rng}{more}, got {value!r}")
+
+
+def _string_list(field: str, value: Any) -> list[str]:
+    """None, a string or a list/tuple of non-empty strings, as a list."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise InvalidInputError(field, f"must be a string or a list of strings, got {value!r}")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise InvalidInputError(field, f"stop strings must be non-empty strings, got {s!r}")
+        if not s.isascii():
+            check_utf8(field, s)
+    return list(items)
+
+
+def check_utf8(field: str, text: str) -> None:
+    """A string that can cross the engine boundary: UTF-8, so no lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(field, f"must be valid Unicode text (no lone surrogates): {exc.reason} at "
+                                f"position {exc.start} of {text!r}") from None
+
+
+def _int_list(field: str, value: Any) -> list[int]:
+    """None or a list/tuple of token ids (ints >= 0, < 2**63), as a list."""
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise InvalidInputError(field, f"must be a list of token ids, got {value!r}")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
+            raise InvalidInputError(field, f"must be non-negative integers, got {t!r}")
+    return list(value)

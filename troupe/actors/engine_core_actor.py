@@ -2,7 +2,9 @@
 
 Inbox:    `EngineInput` (AddRequest, AbortRequest, UtilityCall) from the frontend.
 Outbox:   `EngineOutput`: one `EngineCoreOutputs` per step, `UtilityResult`s, and `EngineDead`
-          if the engine fails (then the actor stops stepping).
+          if the engine fails (then the actor stops stepping). A failure that belongs to one
+          request (its add raising, or anything `EngineCore.step` pins on it) is that request's
+          error output instead, and the engine goes on.
 Owns:     the EngineCore (not thread-safe: it is only touched by one task at a time, either the
           step thread or, between steps, the event loop).
 Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are done; cancelling
@@ -141,10 +143,11 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
                 case AddRequest():
                     try:
                         core.add_request(msg)
-                    except InvalidInputError as exc:  # a per-request failure, not an engine failure
+                    except Exception as exc:  # a per-request failure, not an engine failure
+                        error = str(exc) if isinstance(exc, InvalidInputError) else f"{type(exc).__name__}: {exc}"
                         log.warning("request rejected", request_id=msg.external_id, internal_id=msg.request_id,
-                                    error=str(exc))
-                        errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR, error=str(exc)))
+                                    error=error, exc_info=None if isinstance(exc, InvalidInputError) else exc)
+                        errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR, error=error))
                     else:
                         log.debug("request added", request_id=msg.external_id, internal_id=msg.request_id,
                                   prompt_tokens=len(msg.prompt_token_ids),

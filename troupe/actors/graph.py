@@ -38,6 +38,7 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
+from troupe import faults
 from troupe.actors.dp_balancer import DPBalancer
 from troupe.actors.engine_side import EngineSide, MakeCore, make_engine_side
 from troupe.actors.input_processor import FrontendInput, InputProcessor
@@ -112,6 +113,7 @@ class Graph(anyio.AsyncContextManagerMixin):
                 # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
                 self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
                 self.table = RequestTable(self.tokenizer)
+                faults.install_frontend(self.table.processor, self.config.fault_injection)  # test-only
                 if self._early_failure is not None:
                     self.table.fail_all(*self._early_failure)
                 self.limits = _group_limits([side.ready for side in self.engines])

@@ -8,7 +8,9 @@ Owns:     the tokenizer; one task per long prompt (tokenized in a worker thread)
 Shutdown: EndOfStream on the inbox, or cancellation.
 
 Each submission is answered through its reply slot with the request's `RequestStream` (already
-registered in the `RequestTable`, so no output can overtake it) or with the validation error.
+registered in the `RequestTable`, so no output can overtake it) or with the validation error
+(`InvalidInputError`; anything else that fails on one prompt is that request's
+`EngineGenerateError`, and the other submissions go on).
 Short prompts are handled inline, in order; a prompt longer than `offload_chars` is tokenized in a
 worker thread in its own task, so one huge prompt does not hold up the event loop or other
 submissions.
@@ -31,6 +33,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.actors.requests import RequestStream, RequestTable
+from troupe.errors import EngineGenerateError
 from troupe.inputs import (
     ChatMessages,
     ModelLimits,
@@ -41,7 +44,7 @@ from troupe.inputs import (
     tokenize,
 )
 from troupe.messages import AbortRequest, EngineInput, UtilityCall
-from troupe.sampling_params import SamplingParams
+from troupe.sampling_params import SamplingParams, check_utf8
 
 log = structlog.get_logger("troupe.input")
 
@@ -127,9 +130,15 @@ class InputProcessor(anyio.AsyncContextManagerMixin):
 
     def _prompt_parts(self, sub: Submission) -> tuple[str | None, list[int] | None]:
         if sub.messages is not None:
-            return render_chat(self.tokenizer, sub.messages, sub.add_generation_prompt, sub.chat_template), None
+            text = render_chat(self.tokenizer, sub.messages, sub.add_generation_prompt, sub.chat_template)
+            if not text.isascii():
+                check_utf8("messages", text)
+            return text, None
         assert sub.prompt is not None
-        return split_prompt(sub.prompt)
+        prompt_text, ids = split_prompt(sub.prompt)
+        if prompt_text is not None and not prompt_text.isascii():
+            check_utf8("prompt", prompt_text)
+        return prompt_text, ids
 
     async def _tokenize_then_send(self, sub: Submission, text: str) -> None:
         try:
@@ -156,7 +165,14 @@ class InputProcessor(anyio.AsyncContextManagerMixin):
         await self._outbox.send(req)
 
     def _reject(self, sub: Submission, exc: BaseException) -> None:
+        """Answer one submission with its error: a `ValueError` (`InvalidInputError`) as itself,
+        anything else (a tokenizer or template failing on this prompt) as `EngineGenerateError`."""
         self._rejected += 1
-        log.info("request rejected", request_id=sub.external_id, error=str(exc))
-        sub.error = exc
+        if isinstance(exc, ValueError):
+            log.info("request rejected", request_id=sub.external_id, error=str(exc))
+            sub.error = exc
+        else:
+            log.error("request failed in the input processor", request_id=sub.external_id, exc_info=exc)
+            sub.error = EngineGenerateError(f"the prompt could not be processed: {type(exc).__name__}: {exc}")
+            sub.error.__cause__ = exc
         sub.done.set()

@@ -148,8 +148,12 @@ class RequestTable:
 
     def process_slice(self, outputs: list[EngineCoreOutput], engine_index: int | None = None) -> list[str]:
         """Deliver one slice of the outputs of engine `engine_index`; returns ids the engine must
-        abort (stop strings). Logs the canonical line of each request that finished."""
+        abort (stop strings, and requests whose output processing failed). Logs the canonical line
+        of each request that finished, with `error=` for one that failed (in the engine or here)."""
         processed = self.processor.process_outputs(outputs, engine_index=engine_index)
+        for rid, exc in processed.failed.items():
+            log.error("request failed", request_id=processed.request_outputs[rid].request_id, internal_id=rid,
+                      error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         for rid, out in processed.request_outputs.items():
             stream = self.streams.get(rid)
             if stream is not None:
@@ -157,15 +161,10 @@ class RequestTable:
                 if out.finished:
                     self._drop(rid)
             if out.finished:
-                if out.outputs and out.outputs[0].finish_reason == "error":
-                    error = next((e.error for e in outputs if e.request_id == rid and e.error), None)
-                    log_finished(out, rid, error=error)
+                if out.error is not None:
+                    log_finished(out, rid, error=out.error)
                 else:
                     log_finished(out, rid)
-        for entry in outputs:  # engine-side errors for one request (e.g. rejected at add)
-            if entry.error is not None and entry.request_id in self.streams:
-                self.streams[entry.request_id].put_error(ValueError(entry.error))
-                self._drop(entry.request_id)
         return list(processed.reqs_to_abort)
 
     def internal_ids(self, request_ids: str | Iterable[str]) -> list[str]:

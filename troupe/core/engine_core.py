@@ -11,6 +11,12 @@ Flow of one `step()`:
 4. the scheduler appends them, checks stop conditions, frees finished requests and returns one
    `EngineCoreOutput` per request with something new.
 
+Per-request fault isolation: an exception that belongs to one request (building its sampling row,
+sampling its row, its stop checks, its add) finishes that request alone with
+`FinishReason.ERROR` and the error text (`EngineCoreOutput.error`), its blocks freed; the other
+requests and the engine go on. Only what cannot be pinned on one request (the forward, a broken
+invariant) raises out of `step()`, and the engine-core actor reports the engine dead.
+
 Logs (the caller binds `actor`, `engine` and `step`): "request aborted" and "request preempted" at
 debug; at trace, one "step" line per step and the hops "request scheduled" (first admission, with
 its wait in the queue) and "request finished in engine". All of it is skipped behind one
@@ -77,7 +83,8 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a request. Raises `InvalidInputError` (the engine is unaffected) if it is invalid."""
+        """Queue a request. Raises `InvalidInputError` if it is invalid; whatever it raises, the
+        request leaves no trace here (the caller answers it with an error, the engine goes on)."""
         if msg.request_id in self._requests:
             raise InvalidInputError("request_id", f"{msg.request_id!r} is already running in this engine")
         validate_prompt_ids(msg.prompt_token_ids, self.limits)
@@ -89,11 +96,12 @@ class EngineCore:
         req = Request.from_message(msg)
         # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
         req.max_tokens = min(req.max_tokens, self.kv_capacity_tokens - req.num_prompt_tokens)
-        if msg.params.seed is not None:
-            self._generators[msg.request_id] = torch.Generator().manual_seed(msg.params.seed)
+        generator = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
+        self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
+        if generator is not None:
+            self._generators[msg.request_id] = generator
         self._requests[msg.request_id] = req
         self.num_added += 1
-        self.scheduler.add_request(req)
         if trace_enabled():
             self._added_at[msg.request_id] = time.monotonic()
 
@@ -147,16 +155,15 @@ class EngineCore:
         if tracing:
             self._trace_scheduled(sched_out.scheduled)
         sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}  # request id -> why it failed (its own fault: see _sample)
         if sched_out.scheduled:
             seqs = self.scheduler.to_scheduled_seqs(sched_out)
             logits = self.runner.execute(seqs)  # (S, V)
             sampling_reqs = [self._requests[s.request_id] for s in seqs if s.needs_logits]
             if sampling_reqs:
-                rows = [self._sampling_row(r) for r in sampling_reqs]
-                tokens = self.sampler.sample(logits, rows)
-                sampled = {r.request_id: t for r, t in zip(sampling_reqs, tokens, strict=True)}
+                sampled, failed = self._sample(logits, sampling_reqs)
             self.step_counter += 1
-        outputs, finished = self.scheduler.update_from_output(sched_out, sampled)
+        outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed)
         for rid in finished:
             if tracing:
                 req = self._requests[rid]
@@ -183,8 +190,55 @@ class EngineCore:
                       waited_s=round(now - added, 5), cached_tokens=max(0, s.request.num_cached_tokens),
                       chunk_tokens=s.num_new_tokens)
 
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[dict[str, int], dict[str, str]]:
+        """One token per request of `reqs` (row i of `logits` (S, V) is `reqs[i]`'s), and the requests
+        that failed: `(sampled, failed)`, by request id.
+
+        Per-request fault isolation: an exception while building one request's sampling row fails
+        that request alone; if the batched sampler raises, its rows are sampled again one by one
+        (the seeded generators first rewound to where they were) and only the rows that raise on
+        their own fail. Nothing here raises: what cannot be pinned on a request (the forward
+        itself) has failed before this is called."""
+        failed: dict[str, str] = {}
+        rows: list[SamplingRow] = []
+        kept: list[int] = []
+        for i, req in enumerate(reqs):
+            try:
+                rows.append(self._sampling_row(req))
+                kept.append(i)
+            except Exception as exc:
+                failed[req.request_id] = self._request_failed(req, "building its sampling row", exc)
+        if not rows:
+            return {}, failed
+        if len(kept) < len(reqs):
+            logits = logits[kept]  # (K, V)
+        ids = [reqs[i].request_id for i in kept]
+        rewind = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
+        try:
+            return dict(zip(ids, self.sampler.sample(logits, rows), strict=True)), failed
+        except Exception as exc:
+            log.warning("batched sampling failed: sampling its rows one by one", rows=len(rows),
+                        error=f"{type(exc).__name__}: {exc}")
+        for generator, state in rewind:
+            generator.set_state(state)
+        sampled: dict[str, int] = {}
+        for i, (rid, row) in enumerate(zip(ids, rows, strict=True)):
+            try:
+                sampled[rid] = self.sampler.sample(logits[i:i + 1], [row])[0]
+            except Exception as exc:
+                failed[rid] = self._request_failed(self._requests[rid], "sampling", exc)
+        return sampled, failed
+
+    @staticmethod
+    def _request_failed(req: Request, stage: str, exc: Exception) -> str:
+        """Log one request's own failure (with its traceback) and return the text its caller gets."""
+        error = f"{stage} failed: {type(exc).__name__}: {exc}"
+        log.error("request failed", request_id=req.external_id, internal_id=req.request_id, error=error,
+                  exc_info=exc)
+        return error
+
     def _sampling_row(self, req: Request) -> SamplingRow:
         suppressed: frozenset[int] = frozenset()
         if req.num_output_tokens < req.params.min_tokens:
             suppressed = req.eos_token_ids | req.stop_token_ids
-        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed)
+        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed, req.request_id)

@@ -30,6 +30,7 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # the request's own RNG when it has a seed
     suppressed: frozenset[int] = frozenset()  # token ids masked this step (min_tokens)
+    request_id: str = ""  # the engine's id of the request (errors, the test-only fault hook)
 
 
 class Sampler:
@@ -37,24 +38,23 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        """`logits` (S, V), one row per entry of `rows`; returns S token ids."""
+        """`logits` (S, V), one row per entry of `rows`; returns S token ids.
+
+        `logits` is never written to (it may be an inference tensor of the model runner, and the
+        engine samples rows again one by one from it when a batch fails): every row is copied out
+        by the indexing below before it is masked or filtered in place."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
-        logits = logits.float()  # (S, V)
+        logits = logits.float()  # (S, V); the same tensor when it already is float32
         vocab = logits.shape[1]
-        for i, row in enumerate(rows):
-            if row.suppressed:
-                ids = [t for t in row.suppressed if t < vocab]
-                if ids:
-                    logits[i, ids] = float("-inf")
-        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         out = [0] * len(rows)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if greedy:
-            picked = logits[greedy].argmax(dim=-1).tolist()
+            picked = self._masked(logits, greedy, rows).argmax(dim=-1).tolist()
             for i, t in zip(greedy, picked, strict=True):
                 out[i] = t
         rand = [i for i, row in enumerate(rows) if not row.params.greedy]
         if rand:
-            probs = self._probs([rows[i].params for i in rand], logits[rand])  # (R, V)
+            probs = self._probs([rows[i].params for i in rand], self._masked(logits, rand, rows), vocab)  # (R, V)
             # Inverse-CDF draw: one uniform number per row, from the request's own generator when
             # it has a seed (so its tokens do not depend on the batch), else the shared one.
             cdf = probs.cumsum(dim=-1)  # (R, V)
@@ -66,8 +66,21 @@ class Sampler:
         return out
 
     @staticmethod
-    def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
-        """Filtered probabilities for random rows. `logits` (R, V) float32; modified in place."""
+    def _masked(logits: torch.Tensor, index: list[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """A copy of rows `index` of `logits` (N, V), with each row's suppressed ids at -inf."""
+        picked = logits[index]  # (N, V): advanced indexing copies
+        vocab = logits.shape[1]
+        for j, i in enumerate(index):
+            if rows[i].suppressed:
+                ids = [t for t in rows[i].suppressed if t < vocab]
+                if ids:
+                    picked[j, ids] = float("-inf")
+        return picked
+
+    @staticmethod
+    def _probs(params: list[SamplingParams], logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Filtered probabilities for random rows. `logits` (R, V) float32, a copy: modified in place.
+        top-k values above the vocabulary size mean the whole vocabulary."""
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         logits.div_(temps.unsqueeze(1))
         min_ps = [p.min_p for p in params]
@@ -75,10 +88,9 @@ class Sampler:
             probs = logits.softmax(dim=-1)  # (R, V)
             threshold = torch.tensor(min_ps).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             logits.masked_fill_(probs < threshold, float("-inf"))
-        top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_ks = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
         top_ps = [p.top_p for p in params]
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-            vocab = logits.shape[1]
             # Only the candidates that can survive top-k need sorting; with top-k on every row
             # that is a cheap topk instead of a full (R, V) sort.
             if all(k > 0 for k in top_ks):

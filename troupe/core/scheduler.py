@@ -54,9 +54,10 @@ class Scheduler:
       first admission, to the prefix-cache hit) and, last, `num_computed_tokens += num_new_tokens`
       for every scheduled request (vLLM's `_update_after_schedule`). So the model runner must use
       `ScheduledRequest.start_pos` (the old value), as `to_scheduled_seqs` does.
-    - `update_from_output(out, sampled)` appends one sampled token per `needs_logits` entry, checks
-      stop conditions, registers newly computed full blocks in the prefix cache, and frees finished
-      requests. It skips requests finished (aborted) since `schedule()`.
+    - `update_from_output(out, sampled, failed)` appends one sampled token per `needs_logits` entry
+      (or finishes it with an error), checks stop conditions, registers newly computed full blocks
+      in the prefix cache, and frees finished requests. It skips requests finished (aborted) since
+      `schedule()`.
     - `finish_requests` removes requests from either queue and frees their blocks.
     Policy: "fcfs" (arrival order; the victim is the last running) or "priority" (lower
     `priority`, then earlier `arrival_time`, first; the victim is the worst running).
@@ -231,11 +232,13 @@ class Scheduler:
             return True
         return False
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]
-                           ) -> tuple[list[EngineCoreOutput], list[str]]:
-        """Apply one step's sampled tokens (`sampled[request_id]` for each `needs_logits` entry).
-        Returns one output per request that got a token (never for a partial prefill chunk) and the
-        ids that finished in this call."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           failed: dict[str, str] | None = None) -> tuple[list[EngineCoreOutput], list[str]]:
+        """Apply one step's sampled tokens (`sampled[request_id]` for each `needs_logits` entry, or
+        `failed[request_id]`, the error text of a request whose sampling failed). Returns one output
+        per request that got a token or failed (never for a partial prefill chunk) and the ids that
+        finished in this call. A failed request (or one whose stop check raises) finishes with
+        `FinishReason.ERROR` and its error text; its blocks are freed like any finished request's."""
         self.step_counter += bool(out.scheduled)
         outputs: list[EngineCoreOutput] = []
         finished: list[str] = []
@@ -246,21 +249,32 @@ class Scheduler:
             self.kv_cache.cache_blocks(req)
             if not s.needs_logits:
                 continue
-            token = sampled[req.request_id]
-            req.append_token(token)
-            stopped = self._check_stop(req)
+            error = failed.get(req.request_id) if failed else None
+            new: list[int] = []
+            if error is None:
+                token = sampled[req.request_id]
+                req.append_token(token)
+                new = [token]
+                try:
+                    stopped = self._check_stop(req)
+                except Exception as exc:  # this request's own failure
+                    error = f"stop check failed: {type(exc).__name__}: {exc}"
+            if error is not None:
+                req.finish_reason, req.stop_reason = FinishReason.ERROR, None
+                stopped = True
             if stopped:
                 req.status = RequestStatus.FINISHED
                 self.kv_cache.free(req)
                 del self.requests[req.request_id]
                 finished.append(req.request_id)
             outputs.append(EngineCoreOutput(
-                req.request_id, [token], req.finish_reason, req.stop_reason,
-                num_cached_tokens=max(0, req.num_cached_tokens), num_preemptions=req.num_preemptions))
+                req.request_id, new, req.finish_reason, req.stop_reason,
+                num_cached_tokens=max(0, req.num_cached_tokens), num_preemptions=req.num_preemptions,
+                error=error))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
             self._finished_ids.extend(finished)
-        self._step_generation_tokens = len(outputs)
+        self._step_generation_tokens = sum(len(o.new_token_ids) for o in outputs)
         return outputs, finished
 
     def finish_requests(self, request_ids: str | Iterable[str],

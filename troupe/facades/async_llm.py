@@ -8,9 +8,13 @@
    from a shielded `finally`.
 4. `abort(ids)` ends those streams with a final `finish_reason="abort"` output.
 5. Leaving the context aborts what is left and stops every actor and the engine process. An
-   exception that leaves the context comes out as itself, not wrapped in an ExceptionGroup.
+   exception that leaves the context comes out as itself, never wrapped in an ExceptionGroup:
+   the body's own exception first, else the graph's (`errors.single_error`).
 6. `check_health()` raises `EngineDeadError` (dead) or `EngineHungError` (no step finished for
-   `engine_hang_timeout_s` while requests wait).
+   `engine_hang_timeout_s` while requests wait). After a death every call (generate, chat,
+   add_request, abort, utility calls, get_tokenizer) raises that `EngineDeadError`.
+7. A request that fails on its own (its sampling, stop checks, detokenization) raises nothing: its
+   final output has finish_reason "error" and `error` says why; the engine goes on.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ from troupe.actors.graph import Graph
 from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
-from troupe.errors import EngineDeadError, EngineHungError
+from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, single_error
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
 from troupe.outputs import RequestOutput
-from troupe.sampling_params import SamplingParams
+from troupe.sampling_params import SamplingParams, check_utf8
 
 
 class AsyncLLM(anyio.AsyncContextManagerMixin):
@@ -49,17 +53,19 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[AsyncLLM]:
+        body_error: BaseException | None = None
         try:
             async with Graph(self.config, make_core=self._make_core) as graph:
                 self._graph = graph
                 try:
                     yield self
+                except BaseException as exc:
+                    body_error = exc
+                    raise
                 finally:
                     self._stopped = True
         except BaseExceptionGroup as group:
-            leaf = _single_leaf(group)
-            if leaf is None:
-                raise
+            leaf = single_error(group, prefer=body_error)
             raise leaf from leaf.__cause__
 
     # ------------------------------------------------------------------ state
@@ -120,6 +126,10 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
                           chat_template: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
         """Submit one request; returns its stream, or raises the validation error."""
         graph = self._running_graph()
+        if request_id is not None:
+            if not isinstance(request_id, str):
+                raise InvalidInputError("request_id", f"must be a string, got {request_id!r}")
+            check_utf8("request_id", request_id)
         assert graph.submit is not None
         sub = Submission(external_id=request_id if request_id is not None else next_request_id(),
                          params=params if params is not None else SamplingParams(),
@@ -170,9 +180,12 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
                     await self._abort_internal([stream.request_id])
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests by the user's id(s): each stream ends with finish_reason='abort'."""
+        """Abort requests by the user's id(s): each stream ends with finish_reason='abort'.
+        Raises `EngineDeadError` once the engine is dead (every stream has ended with it)."""
         if self._graph is None:
             return
+        if self._graph.table.dead_error is not None:
+            raise self._graph.table.dead_error
         await self._abort_internal(self._graph.table.internal_ids(request_id))
 
     async def _abort_internal(self, internal_ids: list[str]) -> None:
@@ -205,12 +218,3 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
     async def get_stats(self) -> dict[str, Any]:
         return dict(await self._utility("get_stats"))
 
-
-def _single_leaf(group: BaseExceptionGroup[Any]) -> BaseException | None:
-    """The one exception inside nested single-member groups, else None."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        if len(exc.exceptions) != 1:
-            return None
-        exc = exc.exceptions[0]
-    return exc

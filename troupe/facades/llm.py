@@ -12,6 +12,10 @@
    `SIGNAL_CHECK_S`, between which a pending Ctrl-C is raised.
 4. `close()` (or leaving `with`) shuts the graph down and joins the portal thread; a
    `weakref.finalize` does the same for a user who forgets, so interpreter exit never hangs.
+5. Errors are the documented ones, never an `ExceptionGroup`: a bad prompt in a batch raises its
+   `InvalidInputError` (the requests already submitted are aborted); after an engine death every
+   call raises `EngineDeadError`; a request that failed on its own comes back in its place with
+   finish_reason "error" and `RequestOutput.error`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from troupe.actors.requests import RequestStream
+from troupe.errors import single_error
 from troupe.facades.async_llm import AsyncLLM
 from troupe.inputs import ChatMessages, PromptType
 from troupe.outputs import RequestOutput
@@ -49,8 +55,15 @@ class LLM:
         try:
             self._engine = AsyncLLM(model, **engine_options)
             self._stack.enter_context(self._portal.wrap_async_context_manager(self._engine))
-        except BaseException:
-            self._stack.close()
+        except BaseException as exc:
+            try:
+                self._stack.close()
+            except BaseExceptionGroup as group:
+                leaf = single_error(group, prefer=exc)
+                raise leaf from leaf.__cause__
+            if isinstance(exc, BaseExceptionGroup):
+                leaf = single_error(exc)
+                raise leaf from leaf.__cause__
             raise
         self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._stack)
 
@@ -58,7 +71,11 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine and the portal thread. Idempotent."""
-        self._finalizer()
+        try:
+            self._finalizer()
+        except BaseExceptionGroup as group:  # the portal's own task group: never a group for the user
+            leaf = single_error(group)
+            raise leaf from leaf.__cause__
 
     def __enter__(self) -> LLM:
         return self
@@ -126,9 +143,10 @@ class LLM:
         if len(priorities) != len(jobs):
             raise ValueError(f"priority: {len(priorities)} values for {len(jobs)} prompts")
         results: list[RequestOutput | None] = [None] * len(jobs)
+        streams: list[RequestStream] = []
         bar = _ProgressBar(len(jobs)) if use_tqdm else None
         try:
-            async with anyio.create_task_group() as tg:
+            try:  # every request is submitted (and validated) before any is followed
                 for i, (job, params) in enumerate(zip(jobs, params_list, strict=True)):
                     params = params.clone()
                     params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -138,7 +156,18 @@ class LLM:
                                                                 add_generation_prompt=job["add_generation_prompt"])
                     else:
                         stream = await self._engine.add_request(job["prompt"], params, priority=priorities[i])
-                    tg.start_soon(self._collect, stream, i, results, bar)
+                    streams.append(stream)
+            except BaseException:  # one bad prompt: the batch is refused, nothing runs on
+                with anyio.CancelScope(shield=True):
+                    await self._engine._abort_internal([st.request_id for st in streams])
+                raise
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i, stream in enumerate(streams):
+                        tg.start_soon(self._collect, stream, i, results, bar)
+            except BaseExceptionGroup as group:
+                leaf = single_error(group)
+                raise leaf from leaf.__cause__
         finally:
             if bar is not None:
                 bar.close()

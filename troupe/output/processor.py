@@ -42,7 +42,8 @@ class ProcessedOutputs(NamedTuple):
     """What one `process_outputs` call produced."""
 
     request_outputs: dict[str, RequestOutput]  # internal id -> output to deliver
-    reqs_to_abort: list[str]  # internal ids that finished on a stop string
+    reqs_to_abort: list[str]  # internal ids that finished on a stop string, or failed here
+    failed: dict[str, Exception] = {}  # internal id -> what raised while processing its output
 
 
 class RequestState:
@@ -79,7 +80,8 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     def make_output(
-        self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None
+        self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
+        error: str | None = None,
     ) -> RequestOutput | None:
         """The output to deliver after this step, or None when there is nothing to say yet."""
         finished = finish_reason is not None
@@ -119,7 +121,16 @@ class RequestState:
             True,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            error=error,
         )
+
+    def make_error_output(self, error: str) -> RequestOutput:
+        """The final output of a request whose output processing raised: finish_reason "error",
+        the token ids so far (none in DELTA mode) and no text (the detokenizer is not trusted)."""
+        token_ids = [] if self.output_kind is _DELTA else list(self.detokenizer.token_ids)
+        completion = CompletionOutput(0, "", token_ids, finish_reason=_FINISH_STR[FinishReason.ERROR])
+        return RequestOutput(self.external_id, self.prompt, self.prompt_token_ids, [completion], True,
+                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics, error=error)
 
 
 class OutputProcessor:
@@ -200,12 +211,17 @@ class OutputProcessor:
         4. build the output for its output kind; an id seen twice in `outputs` gets one merged
            output;
         5. drop the state of finished requests.
+
+        An exception in steps 3-4 belongs to that request alone: it finishes with finish_reason
+        "error" and the error text (`RequestOutput.error`), is listed in `failed` and, unless the
+        engine already finished it, in `reqs_to_abort`; the other entries are processed as usual.
         """
         if now is None:
             now = time.monotonic()
         states = self._states
         request_outputs: dict[str, RequestOutput] = {}
         reqs_to_abort: list[str] = []
+        failed: dict[str, Exception] = {}
         for eco in outputs:
             state = states.get(eco.request_id)
             if state is None:
@@ -224,12 +240,20 @@ class OutputProcessor:
                 metrics.num_preemptions = eco.num_preemptions
             finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
-            stop_string = state.detokenizer.update(new_ids, finish_reason is _STOP, finish_reason is not None)
-            if stop_string is not None:
+            try:  # this request's own failure (detokenizer, stop strings) fails it alone
+                stop_string = state.detokenizer.update(new_ids, finish_reason is _STOP, finish_reason is not None)
+                if stop_string is not None:
+                    if finish_reason is None:
+                        reqs_to_abort.append(eco.request_id)
+                    finish_reason, stop_reason = _STOP, stop_string
+                out = state.make_output(new_ids, finish_reason, stop_reason, eco.error)
+            except Exception as exc:
                 if finish_reason is None:
                     reqs_to_abort.append(eco.request_id)
-                finish_reason, stop_reason = _STOP, stop_string
-            out = state.make_output(new_ids, finish_reason, stop_reason)
+                finish_reason = FinishReason.ERROR
+                out = state.make_error_output(f"output processing failed: {type(exc).__name__}: {exc}")
+                failed[eco.request_id] = exc
+                request_outputs.pop(eco.request_id, None)  # an earlier entry's output in this list is void
             if out is not None:
                 pending = request_outputs.setdefault(eco.request_id, out)
                 if pending is not out:  # the same request twice in one list
@@ -238,7 +262,7 @@ class OutputProcessor:
                 if metrics.engine_index is None:
                     metrics.engine_index = engine_index
                 self._free(state, now)
-        return ProcessedOutputs(request_outputs, reqs_to_abort)
+        return ProcessedOutputs(request_outputs, reqs_to_abort, failed)
 
     # ------------------------------------------------------------ aborts
 

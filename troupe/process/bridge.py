@@ -13,7 +13,11 @@ Peers:    with `watch_connection=True` a ZMQ socket monitor sets `connected` whe
           connection is up and `disconnected` when it drops (the death signal of an engine on
           another host, and of the frontend for a headless engine). tcp:// sockets send ZMTP
           heartbeats, so a peer that vanishes without closing its connection (a host gone) is
-          noticed within `HEARTBEAT_TIMEOUT_MS`.
+          noticed within `HEARTBEAT_TIMEOUT_MS`. A connecting socket aimed at a free local port in
+          the ephemeral range can, while it retries, be handed that same port as its source and
+          connect to itself (TCP simultaneous open); the monitor checks every new connection's two
+          ends and sets `looped` instead of `connected` when they are the same: the owner then
+          starts over with a fresh socket (what it sent went to itself).
 Shutdown: leaving the context cancels both pumps, then closes the socket (linger=0), destroys the
           context (`destroy`, never `term`, which can block) and removes a bound ipc:// socket
           file. The end of the inbox ends the send pump only.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 from typing import Generic, NamedTuple, TypeVar
@@ -76,6 +81,7 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
         self._watch = watch_connection
         self.connected = anyio.Event()
         self.disconnected = anyio.Event()
+        self.looped = anyio.Event()  # a connecting socket that reached itself (see the module docstring)
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_lock = anyio.Lock()
         self._prefix = [identity] if bind else []
@@ -140,8 +146,12 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
 
         assert self._monitor is not None
         async with self._monitor_lock:  # the watcher, or `wait_disconnected` once it was cancelled
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
-        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            message = parse_monitor_message(await self._monitor.recv_multipart())
+        event = message["event"]
+        if event == zmq.EVENT_CONNECTED and not self._bind and _connected_to_itself(int(message["value"])):
+            log.warning("connected to itself (the address is a free local port): starting over", endpoint=self.endpoint)
+            self.looped.set()
+        elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
             self.connected.set()
         elif event == zmq.EVENT_DISCONNECTED and self.connected.is_set():
             log.info("peer disconnected", endpoint=self.endpoint)
@@ -196,3 +206,12 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
             await self.send(reply)
         for msg in local:
             await self._outbox.send(msg)
+
+
+def _connected_to_itself(fd: int) -> bool:
+    """Whether the TCP connection on `fd` has the same address at both ends (False for other transports)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            return bool(conn.family in (socket.AF_INET, socket.AF_INET6) and conn.getsockname() == conn.getpeername())
+    except OSError:
+        return False

@@ -62,6 +62,7 @@ log = structlog.get_logger("troupe.engine_main")
 
 STREAM_BUFFER = 64
 EXIT_OK, EXIT_FAILED, EXIT_PARENT_GONE = 0, 1, 3
+EXIT_LOOPED = -1  # internal: a headless engine's socket connected to itself; it connects again
 WATCHDOG_PERIOD_S = 0.5
 SHUTDOWN_WAIT_S = 60.0  # after a failure: how long to wait for the frontend's EngineShutdown
 PR_SET_PDEATHSIG = 1
@@ -102,6 +103,8 @@ def run_headless_engine(address: str, rank: int, *, num_threads: int | None = No
     while True:
         log.info("headless engine connecting", address=target)
         code = anyio.run(_serve, None, target, rank, None, forward, headless, backend="asyncio")
+        if code == EXIT_LOOPED:  # it reached itself, not a frontend: nothing happened, connect again
+            continue
         if not serve_forever:
             return code
         log.info("frontend session over: waiting for the next one", exit_code=code)
@@ -152,12 +155,21 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
                     watch_connection=headless is not None)
     log_send, log_recv = log_channel()
     watch = anyio.CancelScope()
+    looped = False
+
+    async def start_over_when_looped() -> None:
+        nonlocal looped
+        await bridge.looped.wait()  # our hello went to ourselves: this session can never start
+        looped = True
+        tg.cancel_scope.cancel()
+
     async with bridge, to_wire_send, from_wire_recv, anyio.create_task_group() as tg:
         tg.start_soon(pump, log_recv, to_wire_send.clone().send)
         forward.attach(log_send)
         try:
             await to_wire_send.send(EngineHello(engine_index, os.getpid()))
             if headless is not None:
+                tg.start_soon(start_over_when_looped)
                 tg.start_soon(_exit_when_frontend_leaves, bridge, watch,
                               tg.cancel_scope if headless.serve_forever else None)
                 config = await _await_config(from_wire_recv, headless)
@@ -169,7 +181,8 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
             watch.cancel()  # leaving by design from here on
             forward.detach()
             log_send.close()  # the pump sends what is queued, then ends
-    return EXIT_PARENT_GONE  # reached only when the session was cancelled: the frontend went away
+    # reached only when the session was cancelled: it connected to itself, or the frontend went away
+    return EXIT_LOOPED if looped else EXIT_PARENT_GONE
 
 
 async def _build_and_run(config: EngineConfig, engine_index: int, make_core: MakeCore | None,

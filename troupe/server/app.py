@@ -1,7 +1,9 @@
 """`build_app`: the OpenAI-compatible Starlette app over an engine it is given.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`), `GET /v1/models`,
-`GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`.
+`GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and
+`GET /openapi.json` (the OpenAPI 3.1 document of all of them, built from the request and response
+Structs: `openapi.py`).
 
 1. The lifespan enters `open_engine()` (normally `AsyncLLM(...)`) and holds it while the server runs;
    leaving it is the engine's usual shutdown cascade.
@@ -31,11 +33,19 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from troupe.errors import EngineDeadError
+from troupe.errors import EngineDeadError, EngineGenerateError
 from troupe.inputs import render_chat, tokenize
 from troupe.server import metrics as metrics_mod
 from troupe.server.errors import APIError, bad_request, to_api_error
+from troupe.server.openapi import openapi_document
 from troupe.server.protocol import DetokenizeRequest, TokenizeRequest
+from troupe.server.responses import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
 from troupe.server.serving import (
     create_chat_completion,
     create_completion,
@@ -118,7 +128,7 @@ async def health(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    return json_response({"version": importlib.metadata.version("troupe")})
+    return json_response(VersionResponse(version=importlib.metadata.version("troupe")))
 
 
 def _max_model_len(llm: EngineClient) -> int | None:
@@ -128,10 +138,17 @@ def _max_model_len(llm: EngineClient) -> int | None:
 async def models(request: Request) -> Response:
     state = server_state(request)
     llm = state.engine()
-    data = [{"id": name, "object": "model", "created": state.created, "owned_by": "troupe",
-             "root": llm.config.model, "parent": None, "max_model_len": _max_model_len(llm)}
+    data = [ModelCard(id=name, created=state.created, owned_by="troupe", root=llm.config.model,
+                      max_model_len=_max_model_len(llm))
             for name in state.settings.served_model_names]
-    return json_response({"object": "list", "data": data})
+    return json_response(ModelList(data=data))
+
+
+async def openapi_endpoint(request: Request) -> Response:
+    state = server_state(request)
+    if state.openapi is None:  # built once, on first use
+        state.openapi = msgspec.json.encode(openapi_document(api_key=bool(state.settings.api_key)))
+    return Response(state.openapi, media_type="application/json")
 
 
 async def metrics(request: Request) -> Response:
@@ -156,7 +173,7 @@ async def tokenize_endpoint(request: Request) -> Response:
         return tokenize(tok, text) if special else list(tok(text, add_special_tokens=False)["input_ids"])
 
     ids = await anyio.to_thread.run_sync(encode) if len(text) > _OFFLOAD_CHARS else encode()
-    return json_response({"count": len(ids), "max_model_len": _max_model_len(llm), "tokens": ids})
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=_max_model_len(llm), tokens=ids))
 
 
 async def detokenize_endpoint(request: Request) -> Response:
@@ -168,7 +185,7 @@ async def detokenize_endpoint(request: Request) -> Response:
     for i, t in enumerate(req.tokens):
         if not 0 <= t < vocab:
             raise bad_request(f"tokens[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
-    return json_response({"prompt": tok.decode(req.tokens)})
+    return json_response(DetokenizeResponse(prompt=tok.decode(req.tokens)))
 
 
 # ---------------------------------------------------------------------- errors
@@ -213,6 +230,7 @@ def build_app(settings: ServerSettings,
         Route("/tokenize", tokenize_endpoint, methods=["POST"]),
         Route("/detokenize", detokenize_endpoint, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     middleware = [Middleware(RequestIdMiddleware)]
     if settings.api_key:
@@ -222,6 +240,7 @@ def build_app(settings: ServerSettings,
         ValueError: _handle_error,  # InvalidInputError, msgspec errors
         msgspec.DecodeError: _handle_error,
         EngineDeadError: _handle_error,
+        EngineGenerateError: _handle_error,  # one request failed (finish_reason "error"): 500, nothing to log twice
         HTTPException: _handle_http_exception,
         ClientDisconnect: _handle_client_disconnect,
         Exception: _handle_error,  # 500; the server also logs the traceback

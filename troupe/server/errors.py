@@ -9,6 +9,7 @@
 | wrong type / unknown field (`ValidationError`)| 400    | invalid_request_error   |
 | `InvalidInputError` / other `ValueError`      | 400    | invalid_request_error   |
 | `EngineDeadError`                             | 503    | service_unavailable     |
+| `EngineGenerateError` (one request failed)    | 500    | internal_server_error   |
 | anything else                                 | 500    | internal_server_error   |
 
 `param` names the offending field when one is known (`InvalidInputError.field`, the JSON path of
@@ -21,10 +22,12 @@ import re
 
 import msgspec
 
-from troupe.errors import EngineDeadError, InvalidInputError
+from troupe.errors import EngineDeadError, EngineGenerateError, InvalidInputError
 
+# engine-side field names -> the request field a client sent (token-id prompts arrive as `prompt`)
+_PARAM_NAMES = {"prompt_token_ids": "prompt"}
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]+)`")
+_FIELD = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`")
 
 
 class APIError(Exception):
@@ -53,8 +56,8 @@ def _msgspec_param(message: str) -> str | None:
     m = _AT.search(message)
     path = m.group("path") if m else ""
     field = _FIELD.search(message)
-    if field:
-        path = f"{path}.{field.group('name')}" if path else field.group("name")
+    if field:  # the name may be "" (a body with an empty key): still the field to name
+        return f"{path}.{field.group('name')}" if path else field.group("name")
     return path or None
 
 
@@ -68,12 +71,14 @@ def to_api_error(exc: BaseException) -> APIError:
         case msgspec.DecodeError():
             return bad_request(None, f"the request body is not valid JSON: {exc}")
         case InvalidInputError():
-            return bad_request(exc.field, str(exc))
+            return bad_request(_PARAM_NAMES.get(exc.field, exc.field), str(exc))
         case ValueError():
             return bad_request(None, str(exc))
         case EngineDeadError():
             return APIError(503, f"the engine is dead and cannot serve requests: {exc}",
                             type="service_unavailable", code="engine_dead")
+        case EngineGenerateError():  # finish_reason "error": this request alone failed; the engine serves on
+            return APIError(500, str(exc), type="internal_server_error", code="request_failed")
         case _:
             return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
                             type="internal_server_error")

@@ -1,6 +1,8 @@
 """OpenAI request bodies as msgspec Structs, and their mapping to `SamplingParams`.
 
-Decoding is strict: a wrong type or an unknown field is a 400 naming the field. OpenAI fields the
+Decoding is strict: a wrong type, a value outside the range the field states (`Meta`, the same
+ranges `SamplingParams` checks, published in `/openapi.json`) or an unknown field is a 400 naming
+the field. OpenAI fields the
 engine does not implement yet are declared so that clients sending their *neutral* value (`n=1`,
 `logprobs=null`, `presence_penalty=0`, ...) are served; any other value is a 400 naming the field
 (`reject_unsupported`), never a silent ignore. vLLM's extras that troupe implements are accepted
@@ -11,13 +13,19 @@ Defaults follow vLLM: completions `max_tokens=16`; chat `max_tokens=None` (up to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
-from troupe.sampling_params import RequestOutputKind, SamplingParams
+from troupe.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from troupe.server.errors import bad_request
+
+# Ranges the schema (and so /openapi.json) states, the same as SamplingParams checks.
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # the vocabulary's end is the model's: checked later
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -30,27 +38,27 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None  # vLLM's server range: what a torch.Generator takes
     user: str | None = None  # for abuse monitoring at OpenAI; accepted and not used
     # declared so that neutral values pass; anything else is rejected (see _UNSUPPORTED)
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: PositiveInt = 1
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
     logit_bias: dict[str, float] | None = None
     # vLLM extras troupe implements
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -88,14 +96,14 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-PromptItem = str | int | list[int]
+PromptItem = str | TokenId | list[TokenId]
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/completions`: a prompt (text or token ids) or a batch of them."""
 
-    prompt: str | list[PromptItem]
-    max_tokens: int | None = 16
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[PromptItem], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = 16
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -143,9 +151,9 @@ _ROLES = ("system", "developer", "user", "assistant")
 class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/chat/completions`: a conversation rendered by the model's chat template."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -254,9 +262,5 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
-
-def usage(prompt_tokens: int, completion_tokens: int) -> Mapping[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -24,9 +24,24 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from troupe.errors import single_error
 from troupe.outputs import RequestOutput
 from troupe.server.errors import APIError
-from troupe.server.protocol import ChatCompletionRequest, CompletionRequest, reject_unsupported, usage
+from troupe.server.protocol import ChatCompletionRequest, CompletionRequest, reject_unsupported
+from troupe.server.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    FinishReasonText,
+    Usage,
+    usage,
+)
 from troupe.server.sse import EventStream, cancel_on_disconnect, sse_event
 from troupe.server.state import ServerState
 
@@ -69,13 +84,6 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     return result
 
 
-def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
-
-
 async def gather_finals(request: Request, sources: Sequence[AsyncGenerator[RequestOutput]]) -> list[RequestOutput] | None:
     """The final output of each source, or None if the client went away first."""
     finals: list[RequestOutput | None] = [None] * len(sources)
@@ -93,7 +101,7 @@ async def gather_finals(request: Request, sources: Sequence[AsyncGenerator[Reque
                     work.start_soon(run, i, source)
             tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        raise _first_error(group) from None
+        raise single_error(group) from None
     if any(f is None or not f.finished for f in finals):
         return None
     return [f for f in finals if f is not None]
@@ -103,10 +111,10 @@ async def gather_finals(request: Request, sources: Sequence[AsyncGenerator[Reque
 
 
 class CompletionStream:
-    """SSE chunks of `text_completion` objects."""
+    """SSE chunks of `text_completion` objects (`CompletionChunk`)."""
 
     def __init__(self, response_id: str, model: str, created: int, n: int, include_usage: bool) -> None:
-        self._head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+        self._id, self._created, self._model = response_id, created, model
         self._include_usage = include_usage
         self._prompt_tokens = [0] * n
         self._completion_tokens = [0] * n
@@ -117,24 +125,25 @@ class CompletionStream:
         self._completion_tokens[index] += len(c.token_ids)
         if not c.text and c.finish_reason is None:
             return []
-        choice = {"index": index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
+        choice = CompletionChoice(index=index, text=c.text, finish_reason=_finish(c.finish_reason),
+                                  stop_reason=c.stop_reason)
         return [sse_event(self._chunk([choice]))]
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {**self._head, "choices": choices}
-        if self._include_usage:
-            chunk["usage"] = None
-        return chunk
+    def _chunk(self, choices: list[CompletionChoice], final_usage: Usage | None = None) -> CompletionChunk:
+        return CompletionChunk(id=self._id, created=self._created, model=self._model, choices=choices,
+                               usage=final_usage if self._include_usage else msgspec.UNSET)
 
     def tail(self) -> list[bytes]:
         events = []
         if self._include_usage:
-            chunk = self._chunk([])
-            chunk["usage"] = usage(sum(self._prompt_tokens), sum(self._completion_tokens))
-            events.append(sse_event(chunk))
+            events.append(sse_event(self._chunk([], usage(sum(self._prompt_tokens), sum(self._completion_tokens)))))
         events.append(b"data: [DONE]\n\n")
         return events
+
+
+def _finish(reason: str | None) -> FinishReasonText | None:
+    assert reason in (None, "stop", "length", "abort", "error"), reason
+    return reason  # type: ignore[return-value]
 
 
 async def create_completion(request: Request) -> Response:
@@ -157,14 +166,14 @@ async def create_completion(request: Request) -> Response:
     finals = await gather_finals(request, sources)
     if finals is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    choices = [{"index": i, "text": f.outputs[0].text, "logprobs": None,
-                "finish_reason": f.outputs[0].finish_reason, "stop_reason": f.outputs[0].stop_reason}
+    choices = [CompletionChoice(index=i, text=f.outputs[0].text, finish_reason=_finish(f.outputs[0].finish_reason),
+                                stop_reason=f.outputs[0].stop_reason)
                for i, f in enumerate(finals)]
-    return json_response({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                          "choices": choices, "usage": _usage_of(finals)})
+    return json_response(CompletionResponse(id=response_id, created=created, model=model, choices=choices,
+                                            usage=_usage_of(finals)))
 
 
-def _usage_of(finals: Sequence[RequestOutput]) -> Any:
+def _usage_of(finals: Sequence[RequestOutput]) -> Usage:
     return usage(sum(len(f.prompt_token_ids or ()) for f in finals),
                  sum(len(f.outputs[0].token_ids) for f in finals))
 
@@ -176,19 +185,16 @@ class ChatStream:
     """SSE chunks of `chat.completion.chunk` objects: the role first, then content deltas."""
 
     def __init__(self, response_id: str, model: str, created: int, include_usage: bool) -> None:
-        self._head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        self._id, self._created, self._model = response_id, created, model
         self._include_usage = include_usage
         self._prompt_tokens = self._completion_tokens = 0
         self._sent_role = False
 
-    def _event(self, delta: dict[str, str], finish_reason: str | None = None,
+    def _event(self, delta: ChatDelta, finish_reason: str | None = None,
                stop_reason: int | str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
-        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
-        if self._include_usage:
-            chunk["usage"] = None
-        return sse_event(chunk)
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=_finish(finish_reason), stop_reason=stop_reason)
+        return sse_event(ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[choice],
+                                             usage=None if self._include_usage else msgspec.UNSET))
 
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
         c = out.outputs[0]
@@ -196,16 +202,17 @@ class ChatStream:
         self._completion_tokens += len(c.token_ids)
         events = []
         if not self._sent_role:
-            events.append(self._event({"role": "assistant", "content": ""}))
+            events.append(self._event(ChatDelta(role="assistant", content="")))
             self._sent_role = True
         if c.text or c.finish_reason is not None:
-            events.append(self._event({"content": c.text} if c.text else {}, c.finish_reason, c.stop_reason))
+            events.append(self._event(ChatDelta(content=c.text or None), c.finish_reason, c.stop_reason))
         return events
 
     def tail(self) -> list[bytes]:
         events = []
         if self._include_usage:
-            chunk = {**self._head, "choices": [], "usage": usage(self._prompt_tokens, self._completion_tokens)}
+            chunk = ChatCompletionChunk(id=self._id, created=self._created, model=self._model, choices=[],
+                                        usage=usage(self._prompt_tokens, self._completion_tokens))
             events.append(sse_event(chunk))
         events.append(b"data: [DONE]\n\n")
         return events
@@ -231,7 +238,7 @@ async def create_chat_completion(request: Request) -> Response:
     if finals is None:
         return Response(status_code=499)
     c = finals[0].outputs[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    return json_response({"id": response_id, "object": "chat.completion", "created": created, "model": model,
-                          "choices": [choice], "usage": _usage_of(finals)})
+    choice = ChatChoice(index=0, message=ChatMessageOut(content=c.text), finish_reason=_finish(c.finish_reason),
+                        stop_reason=c.stop_reason)
+    return json_response(ChatCompletionResponse(id=response_id, created=created, model=model, choices=[choice],
+                                                usage=_usage_of(finals)))

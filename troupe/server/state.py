@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from troupe.config import EngineConfig
-from troupe.errors import EngineDeadError
+from troupe.errors import EngineDeadError, EngineGenerateError
 from troupe.messages import SchedulerStats
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
@@ -74,6 +74,7 @@ class ServerState:
     llm: EngineClient | None = None
     draining: bool = False  # set at shutdown: new generation requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
+    openapi: bytes | None = None  # the encoded /openapi.json, built on first use
     metrics: ServerMetrics = field(init=False)
     _in_flight: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -117,11 +118,16 @@ class ServerState:
 
     async def follow(self, request_id: str, kind: RequestOutputKind, arrival: float,
                      outputs: AsyncGenerator[RequestOutput]) -> AsyncGenerator[RequestOutput]:
-        """`outputs` of one request, tracked; closing this generator closes (aborts) the request."""
+        """`outputs` of one request, tracked; closing this generator closes (aborts) the request.
+        A request that failed on its own (finish_reason "error") raises `EngineGenerateError` with
+        its error text instead of yielding its final output: the client gets an error, not a
+        truncated answer."""
         async with aclosing(outputs):
             with self._registered(request_id), self.metrics.track(kind, arrival) as record:
                 async for out in outputs:
                     record.observe(out)
+                    if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+                        raise EngineGenerateError(f"request {out.request_id} failed: {out.error}")
                     yield out
 
     async def abort_all(self) -> int:

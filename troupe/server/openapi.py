@@ -1,0 +1,111 @@
+"""`openapi_document`: the server's OpenAPI 3.1 document (`GET /openapi.json`), as vLLM's server
+publishes one.
+
+The schemas are not written by hand: `msgspec.json.schema_components` derives them from the
+request Structs the server decodes (`protocol.py`, strict: `additionalProperties: false`) and the
+response Structs it encodes (`responses.py`), so the document cannot drift from the code. Each
+operation lists the statuses it can answer; every error status carries an `ErrorResponse`
+(`{"error": {"message", "type", "param", "code"}}`). Streams (`"stream": true`) answer
+`text/event-stream`: `data:` events holding the chunk schema named in the description, then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import msgspec
+
+from troupe.server import protocol, responses
+
+_REF = "#/components/schemas/{name}"
+_REQUESTS: list[type] = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
+                         protocol.DetokenizeRequest]
+_RESPONSES: list[type] = [responses.CompletionResponse, responses.CompletionChunk, responses.ChatCompletionResponse,
+                          responses.ChatCompletionChunk, responses.ModelList, responses.TokenizeResponse,
+                          responses.DetokenizeResponse, responses.VersionResponse, responses.ErrorResponse]
+_ERRORS = {
+    400: "invalid request: a field has a wrong type or value (`param` names it)",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "body too large",
+    415: "body is not application/json",
+    500: "this request failed in the engine (finish_reason \"error\"); the engine serves on",
+    503: "the engine is dead, not started, or the server is shutting down",
+}
+
+
+def _ref(kind: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=kind.__name__)}
+
+
+def _json(kind: type) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(kind)}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": _ERRORS[s], "content": _json(responses.ErrorResponse)} for s in statuses}
+
+
+def _generation(op_id: str, summary: str, request: type, answer: type, chunk: type) -> dict[str, Any]:
+    ok = {"description": f"a `{answer.__name__}`; with `\"stream\": true`, SSE `data:` events of "
+                         f"`{chunk.__name__}` and then `data: [DONE]`",
+          "content": {**_json(answer), "text/event-stream": {"schema": {"type": "string"}}}}
+    return {"post": {"operationId": op_id, "summary": summary,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": ok, **_errors(400, 401, 404, 413, 415, 500, 503)}}}
+
+
+def _post(op_id: str, summary: str, request: type, answer: type) -> dict[str, Any]:
+    return {"post": {"operationId": op_id, "summary": summary,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": {"description": "OK", "content": _json(answer)},
+                                   **_errors(400, 401, 404, 413, 415, 503)}}}
+
+
+def _get(op_id: str, summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    return {"get": {"operationId": op_id, "summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
+
+
+def openapi_document(*, api_key: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint (`api_key`: Bearer auth on all but /health)."""
+    _, schemas = msgspec.json.schema_components([*_REQUESTS, *_RESPONSES], ref_template=_REF)
+    paths = {
+        "/v1/completions": _generation("createCompletion", "Text completion", protocol.CompletionRequest,
+                                       responses.CompletionResponse, responses.CompletionChunk),
+        "/v1/chat/completions": _generation("createChatCompletion", "Chat completion through the chat template",
+                                            protocol.ChatCompletionRequest, responses.ChatCompletionResponse,
+                                            responses.ChatCompletionChunk),
+        "/tokenize": _post("tokenize", "Prompt or chat messages to token ids", protocol.TokenizeRequest,
+                           responses.TokenizeResponse),
+        "/detokenize": _post("detokenize", "Token ids to text", protocol.DetokenizeRequest,
+                             responses.DetokenizeResponse),
+        "/v1/models": _get("listModels", "The served model names",
+                           {"description": "OK", "content": _json(responses.ModelList)}, 401, 503),
+        "/version": _get("version", "troupe's version",
+                         {"description": "OK", "content": _json(responses.VersionResponse)}, 401),
+        "/health": _get("health", "200 while the engine is alive and making progress",
+                        {"description": "healthy (empty body)"}, 503),
+        "/metrics": _get("metrics", "Prometheus metrics",
+                         {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                         401),
+        "/openapi.json": _get("openapi", "This document",
+                              {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}},
+                              401),
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "troupe OpenAI-compatible server", "version": importlib.metadata.version("troupe")},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        paths["/health"]["get"]["security"] = []
+    else:  # nothing answers 401 without a key
+        for item in paths.values():
+            for op in item.values():
+                op["responses"].pop("401", None)
+    return doc
