@@ -126,5 +126,9 @@ def test_cpu_set_linear_and_embedding() -> None:
     assert 1e-6 < cases.rel_err(q8.linear(w, b)(x), want) < 2e-2  # really quantized, and close
     dense = torch.randn(40, 64)
     assert cases.rel_err(exact.linear(dense.clone(), b)(x), x.double() @ dense.double().T + b.double()) < 1e-5
+    narrow = random_quantized(QType.F16, 40, 40)  # rows not whole 32-value chunks: expanded, eager path
+    assert isinstance(narrow, QuantizedTensor) and not isinstance(exact.linear(narrow, None), QuantizedLinear)
+    x40 = torch.randn(3, 40)
+    assert cases.rel_err(exact.linear(narrow, None)(x40), x40.double() @ narrow.dequantize().double().T) < 1e-5
     ids = torch.tensor([7, 0, 39])
     assert torch.equal(exact.embedding(w)(ids), w.dequantize()[ids])
