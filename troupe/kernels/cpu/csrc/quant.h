@@ -53,10 +53,21 @@ inline float vsum(Vf v) {
 #endif
 constexpr int NV = 32 / W;  // vectors per 32-value chunk
 
+// f16 -> float32 for block scales: a table of all 65536 values (256 KiB; a model's scales touch few of its
+// lines). A lookup is a plain load, which a broadcast then takes from memory: no conversion or shuffle
+// uops on the vector ports the decoders are busy with (vcvtph2ps + a register broadcast cost two).
+struct F16Table {
+  float v[65536];
+  F16Table() {
+    for (int i = 0; i < 65536; ++i) v[i] = _cvtsh_ss(static_cast<unsigned short>(i));
+  }
+};
+inline const F16Table f16_table;
+
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+  return f16_table.v[h];
 }
 
 #if defined(__AVX512F__)
