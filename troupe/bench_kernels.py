@@ -29,8 +29,10 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 DEFAULT_FORMATS = "Q4_1,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,F16"
 
 
-def _time(fn: Callable[[], object], budget_s: float = 0.002) -> Callable[[], float]:
-    """A sampler: each call returns the mean seconds per call over a batch of about `budget_s`."""
+def _time(fn: Callable[[], object], budget_s: float = 0.003) -> Callable[[], float]:
+    """A sampler: each call times a batch of calls of about `budget_s`, one by one, and returns their median
+    (a call that lost its core to another process, which on a shared 2-core VM stalls a 2-thread kernel by a
+    whole scheduler slice, then moves the median of the batch little)."""
     fn()
     t = time.perf_counter()
     fn()
@@ -38,10 +40,12 @@ def _time(fn: Callable[[], object], budget_s: float = 0.002) -> Callable[[], flo
     reps = max(1, int(budget_s / once))
 
     def sample() -> float:
-        t0 = time.perf_counter()
+        times = []
         for _ in range(reps):
+            t0 = time.perf_counter()
             fn()
-        return (time.perf_counter() - t0) / reps
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
     return sample
 
@@ -59,7 +63,8 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
     ops = torch.ops.troupe_qmm
     g = torch.Generator().manual_seed(0)
     qtypes = [QType[f] for f in formats]
-    print(f"# build: {isa()}; threads: {torch.get_num_threads()}; medians of {repeats} alternating rounds")
+    print(f"# build: {isa()}; threads: {torch.get_num_threads()}; medians of {repeats} alternating rounds "
+          f"(each the median call of a ~3 ms batch); load average {os.getloadavg()[0]:.1f}")
     print("| shape | N x K | M | format | µs | GB/s | GFLOP/s | eager f32 µs | x eager |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in shapes:

@@ -216,9 +216,10 @@ _F16_FIELDS = {QType.Q8_0: (0,), QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q4_
 
 def random_quantized(qtype: QType, n: int, k: int, generator: torch.Generator | None = None,
                      scale: float = 0.05) -> QuantizedTensor | torch.Tensor:
-    """A random valid (N, K) weight in `qtype` (a float32 tensor for F32): random quant bits, every f16
-    scale / min a finite value of magnitude ~`scale`. For tests and microbenchmarks, where a format's
-    quantizer is not at hand (the gguf package cannot quantize the K-quants)."""
+    """A random valid (N, K) weight in `qtype` (a float32 tensor for F32): random quant bits and finite f16
+    scales / mins, sized so that the values are of magnitude ~`4 * scale` in every format. For tests and
+    microbenchmarks, where a format's quantizer is not at hand (the gguf package cannot quantize the
+    K-quants)."""
     g = generator or torch.Generator().manual_seed(0)
     if qtype == QType.F32:
         return torch.randn(n, k, generator=g) * 4 * scale
