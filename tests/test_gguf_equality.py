@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_equality import LENGTHS, NEW_TOKENS, make_prompts, run_troupe
+from test_hf_equality import LENGTHS, NEW_TOKENS, hf_oracle, make_prompts, run_troupe
 
 from troupe.config import EngineConfig
 from troupe.kernels.cpu import build
@@ -27,24 +27,6 @@ pytestmark = [
 ]
 
 NEAR_TIE = 0.1  # logits
-
-
-def hf_greedy(prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' greedy continuations and its logits at every generated position, (NEW_TOKENS, vocab)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), local_files_only=True,
-                                                 dtype=torch.float32).eval()
-    tokens, logits = [], []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            logits.append(torch.cat(out.logits).float())
-    return tokens, logits
 
 
 def divergences(want: list[list[int]], got: list[list[int]], logits: list[torch.Tensor]) -> list[tuple[int, int, float]]:
@@ -64,7 +46,8 @@ def prompts() -> list[list[int]]:
 
 def test_gguf_blocks_give_transformers_greedy_tokens(prompts: list[list[int]]) -> None:
     """quantization="gguf" on the compiled kernels: >= 90% of sequences equal, every divergence a near-tie."""
-    want, logits = hf_greedy(prompts)
+    oracle = hf_oracle(ensure_default_model(), prompts)  # shared with test_hf_equality (one HF run)
+    want, logits = oracle.tokens, oracle.logits
     config = EngineConfig(kernels="cpu", quantization="gguf", max_model_len=2048, num_threads=2,
                           max_num_batched_tokens=512, block_size=16, num_kv_blocks=512)
     got, _, mixed = run_troupe(config, prompts)

@@ -44,6 +44,10 @@ SYSTEM = ("You are a careful assistant. Answer briefly and precisely, cite the f
 class Oracle:
     tokens: list[list[int]]  # HF greedy continuation per prompt
     top5: list[list[set[int]]]  # HF top-5 at each generated position
+    logits: list[torch.Tensor]  # HF logits at each generated position, (NEW_TOKENS, vocab) per prompt
+
+
+_ORACLES: dict[tuple[tuple[int, ...], ...], Oracle] = {}  # one HF run per prompt set and test session
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +67,19 @@ def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[l
 
 
 def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
+    """transformers' greedy run on `prompts` (computed once per session: test_gguf_equality uses it too)."""
+    key = tuple(tuple(p) for p in prompts)
+    if key not in _ORACLES:
+        _ORACLES[key] = _hf_run(model_dir, prompts)
+    return _ORACLES[key]
+
+
+def _hf_run(model_dir: Any, prompts: list[list[int]]) -> Oracle:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
-    tokens, top5 = [], []
+    tokens, top5, logits = [], [], []
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -75,7 +87,8 @@ def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             tokens.append(out.sequences[0, len(p):].tolist())
             top5.append([set(step[0].topk(5).indices.tolist()) for step in out.logits])
-    return Oracle(tokens, top5)
+            logits.append(torch.cat(out.logits).float())
+    return Oracle(tokens, top5, logits)
 
 
 def run_troupe(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], EngineCore, int]:
