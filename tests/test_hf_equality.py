@@ -1,4 +1,5 @@
-"""Greedy equality with Hugging Face transformers on the default model (float32, same weights).
+"""Greedy equality with Hugging Face transformers on the default model (float32, same weights: troupe runs
+the GGUF, transformers the folder it converts to).
 
 16 prompts of 5..300 tokens go into one EngineCore together, so chunked prefill and mixed
 prefill/decode steps happen; 32 new tokens each. Every sequence must equal HF's greedy output, or,
@@ -20,7 +21,8 @@ from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
 from troupe.core.engine_core import EngineCore
 from troupe.messages import AddRequest
-from troupe.models.loader import load_tokenizer, resolve_model_path
+from troupe.models.default_model import ensure_default_model
+from troupe.models.loader import load_tokenizer
 from troupe.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,11 +44,16 @@ SYSTEM = ("You are a careful assistant. Answer briefly and precisely, cite the f
 class Oracle:
     tokens: list[list[int]]  # HF greedy continuation per prompt
     top5: list[list[set[int]]]  # HF top-5 at each generated position
+    logits: list[torch.Tensor]  # HF logits at each generated position, (NEW_TOKENS, vocab) per prompt
+
+
+_ORACLES: dict[tuple[tuple[int, ...], ...], Oracle] = {}  # one HF run per prompt set and test session
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Any:
-    return resolve_model_path(None)
+    """The default model's GGUF expanded to an HF float32 folder: transformers' copy of troupe's weights."""
+    return ensure_default_model()
 
 
 def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[list[int]]:
@@ -60,11 +67,19 @@ def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[l
 
 
 def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
+    """transformers' greedy run on `prompts` (computed once per session: test_gguf_equality uses it too)."""
+    key = tuple(tuple(p) for p in prompts)
+    if key not in _ORACLES:
+        _ORACLES[key] = _hf_run(model_dir, prompts)
+    return _ORACLES[key]
+
+
+def _hf_run(model_dir: Any, prompts: list[list[int]]) -> Oracle:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
-    tokens, top5 = [], []
+    tokens, top5, logits = [], [], []
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -72,7 +87,8 @@ def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             tokens.append(out.sequences[0, len(p):].tolist())
             top5.append([set(step[0].topk(5).indices.tolist()) for step in out.logits])
-    return Oracle(tokens, top5)
+            logits.append(torch.cat(out.logits).float())
+    return Oracle(tokens, top5, logits)
 
 
 def run_troupe(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], EngineCore, int]:

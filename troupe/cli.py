@@ -18,20 +18,24 @@ from typing import Any
 
 import anyio
 
-from troupe.config import DEFAULT_MODEL, EngineConfig
+from troupe.config import DEFAULT_MODEL, QUANTIZATIONS, EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face style folder, or the default model's name")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a Hugging Face style folder, a .gguf file, or the default model's name")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs; auto: CUDA when torch sees a GPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA, the share of the GPU's memory the engine may use (the KV cache gets the rest)")
     g.add_argument("--enforce-eager", action="store_true", help="on CUDA, no CUDA graphs for decode steps")
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations) or expand them "
+                        "to float32 (dequantize); auto: gguf for a .gguf file")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -69,7 +73,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, device=args.device,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

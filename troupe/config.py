@@ -16,6 +16,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
 KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" takes the best set for the device
 DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
+QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8")  # troupe.models.loader.resolve_quantization
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -33,6 +34,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --- CUDA (docs/kernels.md, "Running on a GPU")
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (weights, activations, KV)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # GGUF weights (docs/kernels.md): "auto" (a GGUF keeps its blocks, a folder its dtype), "dequantize"
+    # (expand to float32 at load: the reference), "gguf" (blocks, float32 activations), "gguf-q8" (blocks,
+    # 8-bit activations: needs kernels="cpu")
+    quantization: str = "auto"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -76,6 +81,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("gpu_memory_utilization", f"must be a fraction in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise InvalidInputError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -6,4 +6,5 @@ the same run (figures in docs/benchmarks.md).
 - `ipc` (`python -m troupe.bench.ipc`): what the engine process boundary costs.
 - `logging_cost` (`python -m troupe.bench.logging_cost`): what logging costs offline throughput.
 - `server` (`python -m troupe.bench.server`): concurrent clients against an OpenAI-compatible server.
+- `kernels` (`python -m troupe.bench.kernels`): the CPU projection kernels on GGUF blocks against eager float32.
 """

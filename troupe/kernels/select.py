@@ -52,9 +52,13 @@ def select_kernels(config: EngineConfig, device: torch.device | None = None,
     if name not in KERNEL_SETS:
         raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {name!r}")
     device = device if device is not None else resolve_device(config)
+    q8 = config.quantization == "gguf-q8"
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "eager"
     if name == "cuda":
+        if q8:
+            raise InvalidInputError("quantization", "'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
+                                    "the cuda set expands GGUF blocks to the model's dtype")
         return _cuda_kernels(config, device, dtype)
     if device.type != "cpu":
         raise InvalidInputError("kernels", f"{name!r} runs on the CPU only, and device resolved to {device.type!r} "
@@ -64,9 +68,12 @@ def select_kernels(config: EngineConfig, device: torch.device | None = None,
         from troupe.kernels.cpu.build import BuildError
 
         try:
-            return CpuKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
+            return CpuKernels(decode_row_cache_bytes=config.decode_row_cache_bytes, quantize_activations=q8)
         except BuildError as exc:
             raise InvalidInputError("kernels", f"'cpu' cannot run here: {exc}") from exc
+    if q8:
+        raise InvalidInputError("quantization", f"'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
+                                f"kernels={name!r} runs the eager set, which expands the blocks to float32")
     from troupe.kernels.eager import EagerKernels
 
     return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)

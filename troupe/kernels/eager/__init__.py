@@ -1,7 +1,8 @@
 """The `eager` kernel set: the model's heavy ops in plain torch on the CPU.
 
 Always available, so it is the fallback when no faster set can run here. Projections are oneDNN-packed
-float32 weights where the CPU supports it (`linear.Linear`); rotary uses a (cos, sin) gather built once
+float32 weights where the CPU supports it (`linear.Linear`; quantized GGUF weights are expanded to float32
+when they are bound); rotary uses a (cos, sin) gather built once
 per step; attention gathers blocks from the pool, or reads the decodes' contiguous rows
 (`rows.DecodeRowCache`), see `attention`.
 """
@@ -16,6 +17,7 @@ from troupe.kernels.base import KernelSet, KVSpec, LayerKV, LinearOp, ScheduledS
 from troupe.kernels.eager.attention import EagerMetadata, paged_attention
 from troupe.kernels.eager.linear import Linear
 from troupe.kernels.eager.rows import ROW_CACHE_MIN_BYTES, DecodeRowCache
+from troupe.kernels.quant import Weight, dense
 
 
 class EagerKernels(KernelSet):
@@ -29,8 +31,8 @@ class EagerKernels(KernelSet):
         self.decode_row_cache_bytes = decode_row_cache_bytes
         self.rows: DecodeRowCache | None = None
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearOp:
-        lin = Linear(weight, bias)
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
+        lin = Linear(dense(weight), bias)  # a quantized weight is expanded to float32 once, here
         lin.pack()
         return lin
 
