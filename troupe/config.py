@@ -12,6 +12,7 @@ from troupe.errors import InvalidInputError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KERNEL_SETS = ("auto", "eager", "cpu")  # troupe.kernels.select: "auto" takes the best set this machine runs
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype; "auto": the kernel set's choice
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -25,6 +26,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     decode_row_cache_bytes: int | None = None  # eager decode attention's contiguous K/V rows; None: 2x the pool; 0: off
     kernels: str = "auto"  # the kernel set (troupe.kernels): "auto", or a name from KERNEL_SETS
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; "auto": cpu set float16, eager set the model's dtype
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -57,6 +59,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {value!r}")
         if self.kernels not in KERNEL_SETS:
             raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {self.kernels!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidInputError("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kernels == "eager" and self.kv_cache_dtype not in ("auto", self.dtype):
+            raise InvalidInputError("kv_cache_dtype", f"the eager kernel set keeps the KV pool in the model's dtype: "
+                                    f"must be 'auto' or dtype ({self.dtype!r}) with kernels='eager', "
+                                    f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -27,9 +27,9 @@ def select_kernels(config: EngineConfig) -> KernelSet:
         from troupe.kernels.cpu.build import BuildError
 
         try:
-            return CpuKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
+            return CpuKernels(kv_cache_dtype=config.kv_cache_dtype)
         except BuildError as exc:
             raise InvalidInputError("kernels", f"'cpu' cannot run here: {exc}") from exc
     from troupe.kernels.eager import EagerKernels
 
-    return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
+    return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes, kv_cache_dtype=config.kv_cache_dtype)

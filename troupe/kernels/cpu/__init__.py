@@ -1,17 +1,35 @@
 """The `cpu` kernel set: the model's heavy ops as compiled C++ kernels (`csrc/`, built by `build`).
 
-Work in progress: ops without a compiled kernel yet fall back to the eager set's (this class extends
-`EagerKernels`), so the set is complete at every stage and each compiled op replaces one method.
-`kernels="cpu"` selects it (an error if the kernels cannot be built here); `kernels="auto"` keeps the
-eager set until this one is the faster.
+Compiled: paged attention over the pool in place (`attention`), RMSNorm, residual add + RMSNorm, SiLU x up,
+and rotary + the KV write (`fused`); projections and the embedding are still the eager set's (this class
+extends `EagerKernels`, so every op not yet compiled falls back to it). No decode row cache: attention
+reads the pool where it is.
+
+The KV pool is the set's own: layout `(num_blocks, KVH, block_size, D)` for K and V (each kv head's rows
+of a block contiguous: what the kernels' vector loads walk), dtype from `EngineConfig.kv_cache_dtype`:
+"auto" is float16 (half the memory and the bandwidth of float32, converted on load with F16C; the
+greedy-equality suite holds with it, docs/kernels.md has the figures), or "float32" / "float16" /
+"bfloat16" explicitly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
+from troupe.kernels.base import KernelSet, KVSpec, LayerKV, ScheduledSeq, StepBatch, flatten_step
+from troupe.kernels.cpu import fused
+from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
 from troupe.kernels.cpu.build import BuildError, load_ops
 from troupe.kernels.eager import EagerKernels
 
-EXTENSIONS: dict[str, tuple[str, ...]] = {"probe": ("probe.cpp",)}  # extension name -> its csrc/ sources
+EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ sources
+    "probe": ("probe.cpp",),
+    "attention": ("attention.cpp", "attention_decode.cpp", "attention_prefill.cpp"),
+    "fused": ("fused.cpp",),
+}
+KV_DTYPES = {"auto": torch.float16, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def available() -> bool:
@@ -20,11 +38,49 @@ def available() -> bool:
 
 
 class CpuKernels(EagerKernels):
-    """See the module docstring."""
+    """See the module docstring. `kv_cache_dtype`: a key of `KV_DTYPES`."""
 
     name = "cpu"
 
-    def __init__(self, decode_row_cache_bytes: int | None = None) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
         if not available():
             raise BuildError("the compiled CPU kernels cannot be built here (see the warning logged above)")
-        super().__init__(decode_row_cache_bytes)
+        super().__init__(decode_row_cache_bytes=0)
+        self.kv_dtype = KV_DTYPES[kv_cache_dtype]
+
+    # ------------------------------------------------------------------ the KV pool
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.kv_dtype
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def allocate_kv(self, spec: KVSpec) -> list[LayerKV]:
+        return KernelSet.allocate_kv(self, spec)  # the pool only: no row cache
+
+    # ------------------------------------------------------------------ per step / per layer
+
+    def prepare(self, seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
+        batch = flatten_step(seqs, block_size)
+        batch.meta = CpuMetadata.of(batch.meta)
+        return batch
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.silu_and_mul(x)
+
+    def rope_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rope_cache: torch.Tensor, kv: LayerKV, meta: CpuMetadata,  # type: ignore[override]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.rope_and_cache(positions, q, k, v, rope_cache, kv, meta.slot_mapping)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
+                  meta: CpuMetadata, scale: float, layer: int) -> torch.Tensor:  # type: ignore[override]
+        return paged_attention(q, kv[0], kv[1], meta, scale)
