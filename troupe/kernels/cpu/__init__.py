@@ -5,8 +5,10 @@ and rotary + the KV write (`fused`); projections and the embedding are still the
 extends `EagerKernels`, so every op not yet compiled falls back to it). No decode row cache: attention
 reads the pool where it is.
 
-The KV pool is the set's own: layout `(num_blocks, KVH, block_size, D)` for K and V (each kv head's rows
-of a block contiguous: what the kernels' vector loads walk), dtype from `EngineConfig.kv_cache_dtype`:
+The KV pool is the set's own. Layout: V `(num_blocks, KVH, block_size, D)` (`kv_cache_shape`), K
+`(num_blocks, KVH, D, block_size)` (`k_cache_shape`): a block's keys of one kv head stored transposed, so
+one vector load brings one dimension of W consecutive keys and attention scores are broadcast-FMAs
+(csrc/attention_decode.cpp). Dtype from `EngineConfig.kv_cache_dtype`:
 "auto" is float16 (half the memory and the bandwidth of float32, converted on load with F16C; the
 greedy-equality suite holds with it, docs/kernels.md has the figures), or "float32" / "float16" /
 "bfloat16" explicitly.
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from troupe.kernels.base import KernelSet, KVSpec, LayerKV, ScheduledSeq, StepBatch, flatten_step
+from troupe.kernels.base import KVSpec, LayerKV, ScheduledSeq, StepBatch, flatten_step
 from troupe.kernels.cpu import fused
 from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
 from troupe.kernels.cpu.build import BuildError, load_ops
@@ -54,10 +56,18 @@ class CpuKernels(EagerKernels):
         return self.kv_dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The V pool's shape (K's is `k_cache_shape`)."""
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
+    def k_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, head_dim, block_size)
+
     def allocate_kv(self, spec: KVSpec) -> list[LayerKV]:
-        return KernelSet.allocate_kv(self, spec)  # the pool only: no row cache
+        """Zero-filled (K, V) pools per layer in the set's layout; no row cache."""
+        args = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        k_shape, v_shape = self.k_cache_shape(*args), self.kv_cache_shape(*args)
+        return [(torch.zeros(k_shape, dtype=self.kv_dtype), torch.zeros(v_shape, dtype=self.kv_dtype))
+                for _ in range(spec.num_layers)]
 
     # ------------------------------------------------------------------ per step / per layer
 

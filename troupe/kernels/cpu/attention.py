@@ -1,8 +1,9 @@
 """Paged attention of the `cpu` kernel set: one compiled call per layer for the whole mixed batch.
 
 Contract: `troupe.kernels.base.KernelSet.attention`, semantics of `troupe.kernels.reference.paged_attention`.
-The pool is read in place (no gather, no row cache) in the set's layout `(num_blocks, KVH, block_size, D)`
-for K and V alike, in float32, float16 or bfloat16; q and the output are (T, H, D) in the model's dtype.
+The pool is read in place (no gather, no row cache) in the set's layout: K `(num_blocks, KVH, D, block_size)`
+(each block's keys transposed), V `(num_blocks, KVH, block_size, D)`, in float32, float16 or bfloat16; q and
+the output are (T, H, D) in the model's dtype.
 
 Per step (`AttnPlan`, built by the first layer's call and kept on the step's `CpuMetadata`): the compiled
 `plan` lists the work items (one per decoding sequence and kv head, one per prefill chunk, kv head and
@@ -38,7 +39,7 @@ class AttnPlan:
     @classmethod
     def build(cls, q: torch.Tensor, k_pool: torch.Tensor, meta: AttentionMetadata) -> AttnPlan:
         T, H, D = q.shape
-        KVH = k_pool.shape[1]
+        KVH = k_pool.shape[1]  # K (NB, KVH, D, BS)
         items, merges, threads = torch.ops.troupe_attention.plan(
             meta.query_start_loc, meta.seq_lens, H, KVH, torch.get_num_threads(), MIN_SPLIT, MIN_PARALLEL)
         slots = int(merges[-1, 2] + merges[-1, 3]) if merges.shape[0] else 0

@@ -7,7 +7,8 @@ references in `troupe.kernels.reference`. Float32 math on float32 or bfloat16 ac
   contract allows either input to be overwritten), so the residual stream allocates nothing.
 - `rope_and_cache` rotates q and k in place (HF rotate-half, from the model's `(max_pos, D)` float32
   cos | sin table) and writes the rotated k and v of each token to its pool slot (`-1`: skipped) in the
-  set's layout `(num_blocks, KVH, block_size, D)` and the pool's dtype (float16 saturates at +-65504).
+  set's layout (K `(num_blocks, KVH, D, block_size)`, V `(num_blocks, KVH, block_size, D)`) and the pool's
+  dtype (float16 saturates at +-65504).
 """
 
 from __future__ import annotations

@@ -109,11 +109,14 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
               "out must be like q");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "the K and V pools must be alike and contiguous (num_blocks, KVH, block_size, D)");
-  const int64_t H = q.size(1), D = q.size(2), KVH = k_pool.size(1);
-  TORCH_CHECK(k_pool.size(3) == D, "head dim of q (", D, ") and of the pool (", k_pool.size(3), ") differ");
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.scalar_type() == v_pool.scalar_type(),
+              "the K and V pools must be contiguous and of one dtype");
+  const int64_t H = q.size(1), D = q.size(2), KVH = v_pool.size(1), BS = v_pool.size(2);
+  TORCH_CHECK(v_pool.size(3) == D && k_pool.size(0) == v_pool.size(0) && k_pool.size(1) == KVH &&
+                  k_pool.size(2) == D && k_pool.size(3) == BS,
+              "pools must be K (num_blocks, KVH, D, block_size) and V (num_blocks, KVH, block_size, D) with q's D (",
+              D, ")");
   TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim, "head dim must be a multiple of 8 up to ", kMaxHeadDim, ", got ", D);
   TORCH_CHECK(H % KVH == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1,
@@ -141,7 +144,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   a.G = int(H / KVH);
   a.D = int(D);
   a.DP = padded_dim(int(D));
-  a.BS = int(k_pool.size(2));
+  a.BS = int(BS);
   a.scale = float(scale);
   a.qtype = dtype_of(q);
   a.kvtype = dtype_of(k_pool);

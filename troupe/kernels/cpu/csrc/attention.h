@@ -1,19 +1,22 @@
 // Paged attention over the block pool: what the attention sources share (attention*.cpp).
 //
-// Pool layout (one layer, K and V alike): (num_blocks, KVH, block_size, D), contiguous, float32, float16
-// or bfloat16; position p of a sequence lives at [block_table[p / BS], kv_head, p % BS, :]. Queries q
-// (T, H, D) and the output (T, H, D) are float32 or bfloat16 (the model's dtype), last dim contiguous.
+// Pool layout (one layer): K (num_blocks, KVH, D, block_size) -- each block's keys of one kv head stored
+// transposed, so W consecutive keys of one dimension are one vector load -- and V (num_blocks, KVH,
+// block_size, D), row-major; both contiguous, float32, float16 or bfloat16. Position p of a sequence is
+// key column p % BS of block block_table[p / BS]. Queries q (T, H, D) and the output (T, H, D) are float32
+// or bfloat16 (the model's dtype), last dim contiguous.
 //
 // A step's work is a list of items (built once per step by `plan`, attention.cpp), each one row of
 // `kItemCols` int64: [kind, seq, kv_head, a, b, slot].
 // - kind kDecode: the one new token of `seq`, all G = H / KVH query heads of `kv_head`, over context
-//   positions [a, b). slot < 0: the item covers the whole context and writes the output; slot >= 0: a
-//   split-K piece, which writes (max, sum, unnormalised output) of its G heads to scratch[slot] for the
-//   merge pass.
+//   positions [a, b) (a a multiple of kDecodeTile). slot < 0: the item covers the whole context and writes
+//   the output; slot >= 0: a split-K piece, which writes (max, sum, unnormalised output) of its G heads to
+//   scratch[slot] for the merge pass.
 // - kind kPrefill: new tokens [a, b) of `seq` (indices within its chunk), causal with the offset of the
 //   cached context, all G heads of `kv_head` at once.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -56,6 +59,25 @@ Buffers& thread_buffers();
 
 int padded_dim(int D);  // D rounded up to the vector width
 int prefill_tile_tokens(int G);  // query tokens per prefill item
+
+// Keys [p, p + n) of one kv head of a sequence as a (D, n) slice, n <= W (the vector width): returns the
+// slice and sets `stride` to its distance between dimensions. When the block size is a multiple of W and p
+// of W (the fast path), that is the pool itself; otherwise the keys are copied into `tmp` (D x W), keys
+// from n on being zero.
+template <typename KT>
+inline const KT* key_chunk(const KT* kpool, const int64_t* table, int64_t p, int n, int BS, int64_t block_stride,
+                           int64_t head_off, int D, int W, KT* tmp, int64_t& stride) {
+  if (BS % W == 0 && p % W == 0) {
+    stride = BS;
+    return kpool + table[p / BS] * block_stride + head_off + p % BS;
+  }
+  for (int j = 0; j < W; ++j) {
+    const KT* src = j < n ? kpool + table[(p + j) / BS] * block_stride + head_off + (p + j) % BS : nullptr;
+    for (int d = 0; d < D; ++d) tmp[d * W + j] = src != nullptr ? src[int64_t(d) * BS] : KT(0);
+  }
+  stride = W;
+  return tmp;
+}
 
 void decode_item(const AttnArgs& a, const int64_t* item, Buffers& buf);
 void prefill_item(const AttnArgs& a, const int64_t* item, Buffers& buf);

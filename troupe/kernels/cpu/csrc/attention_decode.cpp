@@ -1,16 +1,19 @@
 // Decode attention: one new token, all G query heads of one kv head, over a range of context positions
 // (attention.h has the item format and the pool layout).
 //
-// The range is walked in tiles of kDecodeTile keys. Each tile's K and V rows are read once from the pool
-// (converted to float32 in a per-thread buffer unless the pool is float32 already) and serve all G heads:
-// scores are dot products, eight keys at a time with one 8x8 transpose-add at the end (no horizontal sum
-// per key); then an online-softmax update per head (running max m, running sum l, the output rescaled by
-// exp(m_old - m_new)); then P x V into G float32 output rows kept in vector registers one chunk of D at a
-// time. A split-K piece leaves (m, l, unnormalised output) in scratch for `merge_pieces`.
+// The range is walked in tiles of kDecodeTile keys; each tile's K and V are read once from the pool and
+// serve all G heads, converted to float32 in registers as they are loaded:
+// - scores: K is stored transposed per block, so for each dimension d one vector load brings W keys and
+//   G broadcast-FMAs (q[g][d] x those keys) accumulate G x (tile / W) score vectors in registers: no
+//   horizontal sums;
+// - an online-softmax update per head (running max m, running sum l, the output rescaled by
+//   exp(m_old - m_new));
+// - P x V: for each key, its V row (a few vectors) is loaded once and FMA'd into a block of heads x a chunk
+//   of D of float32 output kept in registers.
+// A split-K piece leaves (m, l, unnormalised output) in scratch for `merge_pieces`.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 #include "attention.h"
 #include "vec_attn.h"
@@ -28,61 +31,127 @@ Buffers& thread_buffers() {
 
 namespace {
 
-// o[c0 : c0 + NV * W] = o * alpha + sum_j p[j] * v[j][c0 : ...]
-template <int NV>
-inline void pv_chunk(float* o, const float* p, const float* const* vr, int n, int c0, float alpha) {
-  vf acc[NV];
-  const vf al = vset1(alpha);
-  for (int i = 0; i < NV; ++i) acc[i] = vmul(vload(o + c0 + i * W), al);
-  for (int j = 0; j < n; ++j) {
-    const vf pj = vset1(p[j]);
-    const float* v = vr[j] + c0;
-    for (int i = 0; i < NV; ++i) acc[i] = vfma(pj, vload(v + i * W), acc[i]);
+constexpr int TK = kDecodeTile;
+constexpr int NC = TK / W;  // key vectors per tile
+#if defined(__AVX512F__)
+constexpr int kQKHeads = 8;  // heads per score block: kQKHeads x NC accumulators
+constexpr int kPVHeads = 4;  // heads x kPVVecs accumulators per P x V block
+#else
+constexpr int kQKHeads = 3;
+constexpr int kPVHeads = 3;
+#endif
+constexpr int kPVVecs = 4;
+
+// s[g][0..TK) = q[g] . K[:, chunk c] for GB heads; k[c] is chunk c of the tile as (D, W) at stride ks.
+template <int GB, typename KT>
+inline void qk_block(const float* q, int DP, const KT* const* k, int64_t ks, int D, float* s) {
+  vf acc[GB][NC];
+  for (int g = 0; g < GB; ++g) {
+    for (int c = 0; c < NC; ++c) acc[g][c] = vzero();
   }
-  for (int i = 0; i < NV; ++i) vstore(o + c0 + i * W, acc[i]);
+  for (int d = 0; d < D; ++d) {
+    vf kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = vload(k[c] + d * ks);
+    for (int g = 0; g < GB; ++g) {
+      const vf qb = vset1(q[g * DP + d]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = vfma(qb, kv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    for (int c = 0; c < NC; ++c) vstore(s + g * TK + c * W, acc[g][c]);
+  }
 }
 
-inline void pv_row(float* o, const float* p, const float* const* vr, int n, int DP, float alpha) {
-  int c = 0, nv = DP / W;
-  for (; nv >= 8; nv -= 8, c += 8 * W) pv_chunk<8>(o, p, vr, n, c, alpha);
+template <typename KT>
+inline void qk_tile(const float* q, int G, int DP, const KT* const* k, int64_t ks, int D, float* s) {
+  for (int g = 0; g < G; g += kQKHeads) {
+    const float* qg = q + g * DP;
+    float* sg = s + g * TK;
+    switch (std::min(kQKHeads, G - g)) {
+#if defined(__AVX512F__)
+      case 8: qk_block<8>(qg, DP, k, ks, D, sg); break;
+      case 7: qk_block<7>(qg, DP, k, ks, D, sg); break;
+      case 6: qk_block<6>(qg, DP, k, ks, D, sg); break;
+      case 5: qk_block<5>(qg, DP, k, ks, D, sg); break;
+      case 4: qk_block<4>(qg, DP, k, ks, D, sg); break;
+#endif
+      case 3: qk_block<3>(qg, DP, k, ks, D, sg); break;
+      case 2: qk_block<2>(qg, DP, k, ks, D, sg); break;
+      default: qk_block<1>(qg, DP, k, ks, D, sg); break;
+    }
+  }
+}
+
+// o[g][c0 : c0 + NV * W] = o * alpha[g] + sum_j p[g][j] v[j][c0 : ...] for GB heads, j < n.
+template <int GB, int NV, typename KT>
+inline void pv_block(float* o, int DP, const float* p, const float* alpha, const KT* const* vr, int n, int c0) {
+  vf acc[GB][NV];
+  for (int g = 0; g < GB; ++g) {
+    const vf al = vset1(alpha[g]);
+    for (int i = 0; i < NV; ++i) acc[g][i] = vmul(vload(o + g * DP + c0 + i * W), al);
+  }
+  for (int j = 0; j < n; ++j) {
+    vf pb[GB];
+    for (int g = 0; g < GB; ++g) pb[g] = vset1(p[g * TK + j]);
+    const KT* v = vr[j] + c0;
+    for (int i = 0; i < NV; ++i) {
+      const vf vv = vload(v + i * W);
+      for (int g = 0; g < GB; ++g) acc[g][i] = vfma(pb[g], vv, acc[g][i]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    for (int i = 0; i < NV; ++i) vstore(o + g * DP + c0 + i * W, acc[g][i]);
+  }
+}
+
+template <int GB, typename KT>
+inline void pv_heads(float* o, int DP, int D, const float* p, const float* alpha, const KT* const* vr, int n) {
+  int c = 0, nv = D / W;
+  for (; nv >= kPVVecs; nv -= kPVVecs, c += kPVVecs * W) pv_block<GB, kPVVecs>(o, DP, p, alpha, vr, n, c);
   switch (nv) {
-    case 7: pv_chunk<7>(o, p, vr, n, c, alpha); break;
-    case 6: pv_chunk<6>(o, p, vr, n, c, alpha); break;
-    case 5: pv_chunk<5>(o, p, vr, n, c, alpha); break;
-    case 4: pv_chunk<4>(o, p, vr, n, c, alpha); break;
-    case 3: pv_chunk<3>(o, p, vr, n, c, alpha); break;
-    case 2: pv_chunk<2>(o, p, vr, n, c, alpha); break;
-    case 1: pv_chunk<1>(o, p, vr, n, c, alpha); break;
+    case 3: pv_block<GB, 3>(o, DP, p, alpha, vr, n, c); break;
+    case 2: pv_block<GB, 2>(o, DP, p, alpha, vr, n, c); break;
+    case 1: pv_block<GB, 1>(o, DP, p, alpha, vr, n, c); break;
     default: break;
   }
-}
-
-// s[0..n8) = q . k[j] for the rows kr[0..n8), n8 a multiple of 8 (q and the rows hold DP floats).
-inline void scores(const float* q, const float* const* kr, int n8, int DP, float* s) {
-  for (int j0 = 0; j0 < n8; j0 += 8) {
-    vf acc[8];
-    for (int jj = 0; jj < 8; ++jj) acc[jj] = vzero();
-    for (int c = 0; c < DP; c += W) {
-      const vf qv = vload(q + c);
-      for (int jj = 0; jj < 8; ++jj) acc[jj] = vfma(qv, vload(kr[j0 + jj] + c), acc[jj]);
+  c += nv * W;
+  if (c < D) {  // D a multiple of 8 but not of W (16): the last 8 dims
+    for (int g = 0; g < GB; ++g) {
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(o + g * DP + c), _mm256_set1_ps(alpha[g]));
+      for (int j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[g * TK + j]), load8(vr[j] + c), acc);
+      _mm256_storeu_ps(o + g * DP + c, acc);
     }
-    __m256 f[8];
-    for (int jj = 0; jj < 8; ++jj) f[jj] = vfold8(acc[jj]);
-    _mm256_storeu_ps(s + j0, vsum8x8(f));
   }
 }
 
-// Online-softmax update of one head over the tile's scores s[0..n) (s has kDecodeTile floats): s becomes
-// the probabilities exp(s - m_new), m and l are updated; returns the factor for the old output.
+template <typename KT>
+inline void pv_tile(float* o, int G, int DP, int D, const float* p, const float* alpha, const KT* const* vr, int n) {
+  for (int g = 0; g < G; g += kPVHeads) {
+    float* og = o + g * DP;
+    const float* pg = p + g * TK;
+    const float* ag = alpha + g;
+    switch (std::min(kPVHeads, G - g)) {
+#if defined(__AVX512F__)
+      case 4: pv_heads<4>(og, DP, D, pg, ag, vr, n); break;
+#endif
+      case 3: pv_heads<3>(og, DP, D, pg, ag, vr, n); break;
+      case 2: pv_heads<2>(og, DP, D, pg, ag, vr, n); break;
+      default: pv_heads<1>(og, DP, D, pg, ag, vr, n); break;
+    }
+  }
+}
+
+// Online-softmax update of one head over the tile's scores s[0..TK), of which [0, n) are real keys: s
+// becomes the probabilities exp(s - m_new), m and l are updated; returns the factor for the old output.
 inline float softmax_update(float* s, int n, float& m, float& l) {
-  for (int j = n; j < kDecodeTile; ++j) s[j] = kNegInf;
+  for (int j = n; j < TK; ++j) s[j] = kNegInf;
   vf mx = vset1(kNegInf);
-  for (int j = 0; j < kDecodeTile; j += W) mx = vmax(mx, vload(s + j));
+  for (int j = 0; j < TK; j += W) mx = vmax(mx, vload(s + j));
   const float m_new = std::max(m, vhmax(mx));
   const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
   const vf mv = vset1(m_new);
   vf sum = vzero();
-  for (int j = 0; j < kDecodeTile; j += W) {
+  for (int j = 0; j < TK; j += W) {
     const vf p = vexp(vsub(vload(s + j), mv));
     vstore(s + j, p);
     sum = vadd(sum, p);
@@ -95,67 +164,47 @@ inline float softmax_update(float* s, int n, float& m, float& l) {
 template <typename QT, typename KT>
 void decode(const AttnArgs& a, int64_t seq, int64_t h, int64_t c0, int64_t c1, int64_t slot, Buffers& buf) {
   const int G = a.G, D = a.D, DP = a.DP, BS = a.BS;
-  constexpr int TK = kDecodeTile;
-  constexpr bool direct = std::is_same<KT, float>::value;  // pool rows usable in place when DP == D
-  const bool in_place = direct && DP == D;
-  float* const qs = buf.get(size_t(2 * G * DP + G * TK + 2 * TK * DP + DP + 3 * G));
+  float* const qs = buf.get(size_t(2 * G * DP + G * TK + 3 * G + NC * D * W));
   float* const acc = qs + G * DP;
   float* const s = acc + G * DP;
-  float* const kf = s + G * TK;
-  float* const vfb = kf + TK * DP;
-  float* const zero_row = vfb + TK * DP;
-  float* const ms = zero_row + DP;
+  float* const ms = s + G * TK;
   float* const ls = ms + G;
   float* const alphas = ls + G;
-  std::memset(zero_row, 0, sizeof(float) * DP);
+  KT* const tmp = reinterpret_cast<KT*>(alphas + G);  // NC chunks of D x W keys for the copying path
 
   const int64_t t = a.query_start_loc[seq];
   for (int g = 0; g < G; ++g) {
     const QT* src = static_cast<const QT*>(a.q) + t * a.q_tok_stride + (h * G + g) * a.q_head_stride;
     float* dst = qs + g * DP;
     for (int d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * a.scale;
-    for (int d = D; d < DP; ++d) dst[d] = 0.0f;
     ms[g] = kNegInf;
     ls[g] = 0.0f;
   }
   std::memset(acc, 0, sizeof(float) * G * DP);
-  if (!in_place) {  // the pad columns [D, DP) of the converted rows stay zero
-    for (int j = 0; j < TK; ++j) {
-      for (int d = D; d < DP; ++d) kf[j * DP + d] = vfb[j * DP + d] = 0.0f;
-    }
-  }
 
   const int64_t* table = a.block_tables + seq * a.bt_stride;
   const int64_t block_stride = int64_t(a.KVH) * BS * D, head_off = h * int64_t(BS) * D;
   const KT* kpool = static_cast<const KT*>(a.k_pool);
   const KT* vpool = static_cast<const KT*>(a.v_pool);
-  int64_t bi = c0 / BS;
-  int off = int(c0 % BS);
-  const float* kr[TK];
-  const float* vr[TK];
+  const KT* kc[NC];
+  const KT* vr[TK];
+  const int64_t ks = BS % W == 0 ? BS : W;  // key_chunk's stride: the pool's, or its copies'
   for (int64_t p0 = c0; p0 < c1; p0 += TK) {
     const int n = int(std::min<int64_t>(TK, c1 - p0));
-    for (int j = 0; j < n; ++j) {
-      const int64_t row = table[bi] * block_stride + head_off + int64_t(off) * D;
-      if (in_place) {
-        kr[j] = reinterpret_cast<const float*>(kpool + row);
-        vr[j] = reinterpret_cast<const float*>(vpool + row);
-      } else {
-        convert_row(kpool + row, kf + j * DP, D);
-        convert_row(vpool + row, vfb + j * DP, D);
-        kr[j] = kf + j * DP;
-        vr[j] = vfb + j * DP;
-      }
-      if (++off == BS) {
-        off = 0;
-        ++bi;
-      }
+    for (int c = 0; c < NC; ++c) {  // chunks past the range reuse chunk 0: their scores are masked anyway
+      const int64_t p = p0 + c * W;
+      int64_t stride = 0;
+      kc[c] = p >= c1 ? kc[0]
+                      : key_chunk(kpool, table, p, int(std::min<int64_t>(W, c1 - p)), BS, block_stride, head_off, D,
+                                  W, tmp + c * D * W, stride);
     }
-    const int n8 = (n + 7) & ~7;
-    for (int j = n; j < n8; ++j) kr[j] = zero_row;
-    for (int g = 0; g < G; ++g) scores(qs + g * DP, kr, n8, DP, s + g * TK);
+    for (int j = 0; j < n; ++j) {
+      const int64_t p = p0 + j;
+      vr[j] = vpool + table[p / BS] * block_stride + head_off + (p % BS) * D;
+    }
+    qk_tile(qs, G, DP, kc, ks, D, s);
     for (int g = 0; g < G; ++g) alphas[g] = softmax_update(s + g * TK, n, ms[g], ls[g]);
-    for (int g = 0; g < G; ++g) pv_row(acc + g * DP, s + g * TK, vr, n, DP, alphas[g]);
+    pv_tile(acc, G, DP, D, s, alphas, vr, n);
   }
 
   if (slot >= 0) {

@@ -3,7 +3,7 @@
 //
 // The tile's R = tokens x G query rows (row r: token r / G, head r % G) are scaled into a float32 buffer.
 // The context [0, last token's position] is walked in KV tiles of kTK keys; each KV tile is packed once
-// (K transposed to (D, kTK) with 8x8 transposes, V as (kTK, D) rows, both float32) and serves all R rows:
+// (K as (D, kTK), already transposed in the pool, V as (kTK, D) rows, both float32) and serves all R rows:
 // S = Q K^T by broadcast-FMA microkernels (kRB rows x kTK keys in registers, no horizontal sums), the
 // causal mask, an online-softmax update per row, then O = O * alpha + P V by microkernels holding a
 // block of rows x a chunk of D in registers. KV tiles entirely after a row's position are never read
@@ -22,11 +22,13 @@ using namespace troupe_vec;
 
 namespace {
 
-constexpr int kTK = 2 * W;  // keys per KV tile: two vectors
-constexpr int kRB = 6;      // query rows per S microkernel
+constexpr int kTKV = 4;         // vectors of keys per KV tile
+constexpr int kTK = kTKV * W;   // keys per KV tile
 #if defined(__AVX512F__)
+constexpr int kRB = 6;  // query rows per S microkernel (kRB x kTKV accumulators)
 constexpr int kRO = 4;  // rows per O microkernel
 #else
+constexpr int kRB = 3;
 constexpr int kRO = 2;
 #endif
 constexpr int kNV = 4;        // vectors of D per O microkernel
@@ -35,19 +37,20 @@ constexpr int kRowsTarget = 64;  // query rows per item (tokens x G)
 // S[r][0..kTK) = Q[r] . Kt[:, 0..kTK) for RB rows (Kt is (D, kTK)).
 template <int RB>
 inline void s_block(const float* q, int DP, const float* kt, int D, float* s) {
-  vf acc[RB][2];
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = vzero();
+  vf acc[RB][kTKV];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < kTKV; ++c) acc[r][c] = vzero();
+  }
   for (int d = 0; d < D; ++d) {
-    const vf k0 = vload(kt + d * kTK), k1 = vload(kt + d * kTK + W);
-    for (int r = 0; r < RB; ++r) {
-      const vf qb = vset1(q[r * DP + d]);
-      acc[r][0] = vfma(qb, k0, acc[r][0]);
-      acc[r][1] = vfma(qb, k1, acc[r][1]);
+    vf qb[RB];
+    for (int r = 0; r < RB; ++r) qb[r] = vset1(q[r * DP + d]);
+    for (int c = 0; c < kTKV; ++c) {
+      const vf kv = vload(kt + d * kTK + c * W);
+      for (int r = 0; r < RB; ++r) acc[r][c] = vfma(qb[r], kv, acc[r][c]);
     }
   }
   for (int r = 0; r < RB; ++r) {
-    vstore(s + r * kTK, acc[r][0]);
-    vstore(s + r * kTK + W, acc[r][1]);
+    for (int c = 0; c < kTKV; ++c) vstore(s + r * kTK + c * W, acc[r][c]);
   }
 }
 
@@ -55,9 +58,11 @@ inline void s_rows(const float* q, int R, int DP, const float* kt, int D, float*
   int r = 0;
   for (; r + kRB <= R; r += kRB) s_block<kRB>(q + r * DP, DP, kt, D, s + r * kTK);
   switch (R - r) {
+#if defined(__AVX512F__)
     case 5: s_block<5>(q + r * DP, DP, kt, D, s + r * kTK); break;
     case 4: s_block<4>(q + r * DP, DP, kt, D, s + r * kTK); break;
     case 3: s_block<3>(q + r * DP, DP, kt, D, s + r * kTK); break;
+#endif
     case 2: s_block<2>(q + r * DP, DP, kt, D, s + r * kTK); break;
     case 1: s_block<1>(q + r * DP, DP, kt, D, s + r * kTK); break;
     default: break;
@@ -111,14 +116,19 @@ inline float softmax_row(float* sr, int vis, float& m, float& l) {
     return 1.0f;
   }
   for (int j = vis; j < kTK; ++j) sr[j] = kNegInf;
-  const vf s0 = vload(sr), s1 = vload(sr + W);
-  const float m_new = std::max(m, vhmax(vmax(s0, s1)));
+  vf sv[kTKV];
+  vf mx = vset1(kNegInf);
+  for (int c = 0; c < kTKV; ++c) mx = vmax(mx, sv[c] = vload(sr + c * W));
+  const float m_new = std::max(m, vhmax(mx));
   const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
   const vf mv = vset1(m_new);
-  const vf p0 = vexp(vsub(s0, mv)), p1 = vexp(vsub(s1, mv));
-  vstore(sr, p0);
-  vstore(sr + W, p1);
-  l = l * alpha + vsum(vadd(p0, p1));
+  vf sum = vzero();
+  for (int c = 0; c < kTKV; ++c) {
+    const vf p = vexp(vsub(sv[c], mv));
+    vstore(sr + c * W, p);
+    sum = vadd(sum, p);
+  }
+  l = l * alpha + vsum(sum);
   m = m_new;
   return alpha;
 }
@@ -127,17 +137,15 @@ template <typename QT, typename KT>
 void prefill(const AttnArgs& a, int64_t seq, int64_t h, int64_t i0, int64_t i1, Buffers& buf) {
   const int G = a.G, D = a.D, DP = a.DP, BS = a.BS;
   const int R = int(i1 - i0) * G;
-  float* const qs = buf.get(size_t(2 * R * DP + R * kTK + 3 * kTK * DP + DP + 3 * R));
+  float* const qs = buf.get(size_t(2 * R * DP + R * kTK + 2 * kTK * DP + 3 * R + D * W));
   float* const o = qs + R * DP;
   float* const s = o + R * DP;
-  float* const kf = s + R * kTK;  // (kTK, DP) K rows converted to float32
-  float* const kt = kf + kTK * DP;  // (DP, kTK) the K tile transposed
-  float* const vt = kt + kTK * DP;  // (kTK, DP) V rows in float32
-  float* const zero_row = vt + kTK * DP;
-  float* const ms = zero_row + DP;
+  float* const kt = s + R * kTK;  // (D, kTK) the K tile, float32
+  float* const vt = kt + kTK * DP;  // (kTK, DP) V rows, float32
+  float* const ms = vt + kTK * DP;
   float* const ls = ms + R;
   float* const alphas = ls + R;
-  std::memset(zero_row, 0, sizeof(float) * DP);
+  KT* const tmp = reinterpret_cast<KT*>(alphas + R);  // D x W keys for key_chunk's copying path
   std::memset(o, 0, sizeof(float) * R * DP);
   for (int j = 0; j < kTK; ++j) {
     for (int d = D; d < DP; ++d) vt[j * DP + d] = 0.0f;
@@ -161,33 +169,22 @@ void prefill(const AttnArgs& a, int64_t seq, int64_t h, int64_t i0, int64_t i1, 
   const KT* kpool = static_cast<const KT*>(a.k_pool);
   const KT* vpool = static_cast<const KT*>(a.v_pool);
   const int64_t kv_end = base + i1;  // positions [0, kv_end) are visible to some row
-  int64_t bi = 0;
-  int off = 0;
-  const float* kr[kTK];
   for (int64_t p0 = 0; p0 < kv_end; p0 += kTK) {
     const int nk = int(std::min<int64_t>(kTK, kv_end - p0));
-    for (int j = 0; j < nk; ++j) {
-      const int64_t row = table[bi] * block_stride + head_off + int64_t(off) * D;
-      if constexpr (std::is_same<KT, float>::value) {
-        kr[j] = kpool + row;
-      } else {
-        convert_row(kpool + row, kf + j * DP, D);
-        kr[j] = kf + j * DP;
+    for (int c = 0; c < kTK / W; ++c) {  // kt[d][c W ..] = the chunk's keys, float32
+      const int64_t p = p0 + c * W;
+      if (p >= kv_end) {
+        for (int d = 0; d < D; ++d) vstore(kt + d * kTK + c * W, vzero());
+        continue;
       }
-      convert_row(vpool + row, vt + j * DP, D);
-      if (++off == BS) {
-        off = 0;
-        ++bi;
-      }
+      int64_t ks = 0;
+      const KT* src = key_chunk(kpool, table, p, int(std::min<int64_t>(W, kv_end - p)), BS, block_stride, head_off,
+                                D, W, tmp, ks);
+      for (int d = 0; d < D; ++d) vstore(kt + d * kTK + c * W, vload(src + d * ks));
     }
-    for (int j = nk; j < kTK; ++j) kr[j] = zero_row;
-    for (int j0 = 0; j0 < kTK; j0 += 8) {  // kt[d][j] = K[j][d], eight keys x eight dims at a time
-      for (int d0 = 0; d0 < D; d0 += 8) {
-        __m256 rows[8], cols[8];
-        for (int jj = 0; jj < 8; ++jj) rows[jj] = _mm256_loadu_ps(kr[j0 + jj] + d0);
-        transpose8x8(rows, cols);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kTK + j0, cols[i]);
-      }
+    for (int j = 0; j < nk; ++j) {
+      const int64_t p = p0 + j;
+      convert_row(vpool + table[p / BS] * block_stride + head_off + (p % BS) * D, vt + j * DP, D);
     }
     s_rows(qs, R, DP, kt, D, s);
     for (int r = 0; r < R; ++r) {

@@ -17,7 +17,8 @@ namespace {
 
 using namespace troupe_vec;
 
-constexpr int64_t kGrain = 32768;  // elements: below this a call stays on one thread
+constexpr int64_t kGrain = 32768;
+constexpr int64_t kMaxHeadDim = 256;  // elements: below this a call stays on one thread
 
 int64_t rows_grain(int64_t per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, per_row)); }
 
@@ -144,32 +145,21 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// Rotate-half rotary of one head row x (D) in place from cos | sin (D/2 each); the result also goes to
-// `pool_row` (the KV pool's row for this token) when that is not null.
-template <typename T, typename KT>
-inline void rotate_row(T* x, const float* cs, int64_t D, KT* pool_row) {
+// Rotate-half rotary of one head row x (D) in place from cos | sin (D/2 each).
+template <typename T>
+inline void rotate_row(T* x, const float* cs, int64_t D) {
   const int64_t half = D / 2;
   const float* sn = cs + half;
   int64_t d = 0;
   for (; d + W <= half; d += W) {
     const vf c = vload(cs + d), s = vload(sn + d), x1 = vload(x + d), x2 = vload(x + half + d);
-    const vf o1 = vfnma(x2, s, vmul(x1, c)), o2 = vfma(x1, s, vmul(x2, c));
-    vstore(x + d, o1);
-    vstore(x + half + d, o2);
-    if (pool_row != nullptr) {  // what was stored (rounded to x's dtype), so the pool holds the returned k
-      vstore(pool_row + d, vload(x + d));
-      vstore(pool_row + half + d, vload(x + half + d));
-    }
+    vstore(x + d, vfnma(x2, s, vmul(x1, c)));
+    vstore(x + half + d, vfma(x1, s, vmul(x2, c)));
   }
   for (; d < half; ++d) {
     const float x1 = to_f32(x[d]), x2 = to_f32(x[half + d]);
-    const float o1 = x1 * cs[d] - x2 * sn[d], o2 = x2 * cs[d] + x1 * sn[d];
-    x[d] = from_f32<T>(o1);
-    x[half + d] = from_f32<T>(o2);
-    if (pool_row != nullptr) {
-      pool_row[d] = from_f32<KT>(to_f32(x[d]));
-      pool_row[half + d] = from_f32<KT>(to_f32(x[half + d]));
-    }
+    x[d] = from_f32<T>(x1 * cs[d] - x2 * sn[d]);
+    x[half + d] = from_f32<T>(x2 * cs[d] + x1 * sn[d]);
   }
 }
 
@@ -184,7 +174,7 @@ template <typename T, typename KT>
 void rope_and_cache_impl(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& rope, const at::Tensor& k_pool, const at::Tensor& v_pool,
                          const at::Tensor& slots) {
-  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), BS = k_pool.size(2);
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), BS = v_pool.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* table = rope.data_ptr<float>();
@@ -194,14 +184,20 @@ void rope_and_cache_impl(const at::Tensor& positions, const at::Tensor& q, const
   KT* kc = static_cast<KT*>(k_pool.data_ptr());
   KT* vc = static_cast<KT*>(v_pool.data_ptr());
   at::parallel_for(0, T_, rows_grain((H + 2 * KVH) * D), [&](int64_t b, int64_t e) {
+    KT krow[kMaxHeadDim];
     for (int64_t t = b; t < e; ++t) {
       const float* cs = table + pos[t] * D;
-      for (int64_t i = 0; i < H; ++i) rotate_row<T, KT>(qp + t * q.stride(0) + i * q.stride(1), cs, D, nullptr);
-      const int64_t s = slot[t];
+      for (int64_t i = 0; i < H; ++i) rotate_row<T>(qp + t * q.stride(0) + i * q.stride(1), cs, D);
+      const int64_t s = slot[t], blk = s / BS, off = s % BS;
       for (int64_t i = 0; i < KVH; ++i) {
-        KT* krow = s < 0 ? nullptr : kc + (((s / BS) * KVH + i) * BS + s % BS) * D;
-        rotate_row<T, KT>(kp + t * k.stride(0) + i * k.stride(1), cs, D, krow);
-        if (s >= 0) copy_row<T, KT>(vp + t * v.stride(0) + i * v.stride(1), D, vc + (((s / BS) * KVH + i) * BS + s % BS) * D);
+        T* x = kp + t * k.stride(0) + i * k.stride(1);
+        rotate_row<T>(x, cs, D);
+        if (s < 0) continue;
+        // K is stored transposed per block: (D, BS) for this kv head; the rotated k as stored in x
+        copy_row<T, KT>(x, D, krow);
+        KT* kdst = kc + (blk * KVH + i) * D * BS + off;
+        for (int64_t d = 0; d < D; ++d) kdst[d * BS] = krow[d];
+        copy_row<T, KT>(vp + t * v.stride(0) + i * v.stride(1), D, vc + ((blk * KVH + i) * BS + off) * D);
       }
     }
   });
@@ -220,15 +216,19 @@ void rope_and_cache(const at::Tensor& positions, const at::Tensor& q, const at::
               "rope_and_cache: q, k, v float32 or bfloat16, alike");
   TORCH_CHECK(rope.dim() == 2 && rope.size(1) == D && rope.is_contiguous() && rope.scalar_type() == at::kFloat,
               "rope_and_cache: the rotary table must be (max_pos, D) float32");
-  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
-                  k_pool.scalar_type() == v_pool.scalar_type() && k_pool.size(1) == KVH && k_pool.size(3) == D,
-              "rope_and_cache: the pools must be alike, contiguous (num_blocks, KVH, block_size, D)");
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.scalar_type() == v_pool.scalar_type() && v_pool.size(1) == KVH && v_pool.size(3) == D &&
+                  k_pool.size(0) == v_pool.size(0) && k_pool.size(1) == KVH && k_pool.size(2) == D &&
+                  k_pool.size(3) == v_pool.size(2),
+              "rope_and_cache: pools must be K (num_blocks, KVH, D, block_size) and V (num_blocks, KVH, block_size, D), "
+              "contiguous, of one dtype");
+  TORCH_CHECK(D <= kMaxHeadDim, "rope_and_cache: head dim up to ", kMaxHeadDim);
   TORCH_CHECK(positions.numel() == T_ && slot_mapping.numel() == T_ && positions.scalar_type() == at::kLong &&
                   slot_mapping.scalar_type() == at::kLong && positions.is_contiguous() && slot_mapping.is_contiguous(),
               "rope_and_cache: positions and slot_mapping must be (T,) contiguous int64");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  const int64_t slots = k_pool.size(0) * k_pool.size(2);
+  const int64_t slots = v_pool.size(0) * v_pool.size(2);
   for (int64_t t = 0; t < T_; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < rope.size(0), "rope_and_cache: position ", pos[t], " outside the table");
     TORCH_CHECK(slot[t] >= -1 && slot[t] < slots, "rope_and_cache: slot ", slot[t], " outside the pool");
