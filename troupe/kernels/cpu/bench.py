@@ -1,4 +1,9 @@
-"""`python -m troupe.kernels.cpu.bench`: microbenchmarks of the cpu set's attention against the eager set's.
+"""`python -m troupe.kernels.cpu.bench`: the cpu kernel set against the eager set, same run.
+
+`python -m troupe.kernels.cpu.bench [attention]`: microbenchmarks of attention (below);
+`python -m troupe.kernels.cpu.bench e2e`: the whole engine, see `e2e`.
+
+Attention microbenchmarks.
 
 Shapes of the default model (9 query heads, 3 kv heads, head dim 64, blocks of 16). Decode steps at
 batch 1 / 16 / 64 and contexts 128..1024 (every sequence at that context), plus two prefill chunks; each
@@ -138,7 +143,14 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m troupe.kernels.cpu.bench", description=__doc__,
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["e2e"]:
+        from troupe.kernels.cpu.bench_e2e import main as e2e
+
+        return e2e(argv[1:])
+    if argv[:1] == ["attention"]:
+        argv = argv[1:]
+    p = argparse.ArgumentParser(prog="python -m troupe.kernels.cpu.bench [attention]", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per method per round")
