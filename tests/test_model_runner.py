@@ -276,7 +276,9 @@ def test_null_model_picks_a_fixed_text_token():
     r = ModelRunner(EngineConfig(null_model=True, dtype="float32"))
     assert r.model is None and r.kv_caches == []
     assert r.model_path == resolve_model_path(None) and r.vocab_size == 49152
-    assert r.num_blocks == min(64 * 512, (1 << 30) // (2 * 30 * 3 * 64 * 4)) // 16
+    itemsize = r.kernels.kv_cache_dtype(torch.float32).itemsize  # the selected set's pool dtype
+    assert r.kv_bytes_per_token == 2 * 30 * 3 * 64 * itemsize
+    assert r.num_blocks == min(64 * 512, (1 << 30) // r.kv_bytes_per_token) // 16
     logits = r.execute(
         [
             ScheduledSeq("a", [1, 2, 3], 0, [0], True),

@@ -1,7 +1,8 @@
 """`python -m troupe.kernels.cpu.bench`: the cpu kernel set against the eager set, same run.
 
 `python -m troupe.kernels.cpu.bench [attention]`: microbenchmarks of attention (below);
-`python -m troupe.kernels.cpu.bench e2e`: the whole engine, see `e2e`.
+`python -m troupe.kernels.cpu.bench e2e`: the whole engine with each set (`bench_e2e`);
+`python -m troupe.kernels.cpu.bench accuracy`: greedy tokens of each set against transformers (`bench_accuracy`).
 
 Attention microbenchmarks.
 
@@ -148,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from troupe.kernels.cpu.bench_e2e import main as e2e
 
         return e2e(argv[1:])
+    if argv[:1] == ["accuracy"]:
+        from troupe.kernels.cpu.bench_accuracy import main as accuracy
+
+        return accuracy(argv[1:])
     if argv[:1] == ["attention"]:
         argv = argv[1:]
     p = argparse.ArgumentParser(prog="python -m troupe.kernels.cpu.bench [attention]", description=__doc__,
