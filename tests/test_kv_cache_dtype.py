@@ -28,6 +28,7 @@ def test_bad_values_name_the_option():
     with pytest.raises(InvalidInputError, match="kv_cache_dtype.*eager"):
         EngineConfig(kernels="eager", dtype="float32", kv_cache_dtype="float16")
     EngineConfig(kernels="eager", dtype="float32", kv_cache_dtype="float32")  # the model's own dtype is fine
+    EngineConfig(kernels="eager", kv_cache_dtype="float32")  # dtype "auto": checked once the model's is known
 
 
 def test_eager_set_refuses_a_foreign_pool_dtype():

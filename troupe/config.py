@@ -61,7 +61,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {self.kernels!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidInputError("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kernels == "eager" and self.kv_cache_dtype not in ("auto", self.dtype):
+        # the eager set's pool is in the model's dtype (with dtype "auto" it checks once that is known)
+        if self.kernels == "eager" and self.dtype != "auto" and self.kv_cache_dtype not in ("auto", self.dtype):
             raise InvalidInputError("kv_cache_dtype", f"the eager kernel set keeps the KV pool in the model's dtype: "
                                     f"must be 'auto' or dtype ({self.dtype!r}) with kernels='eager', "
                                     f"got {self.kv_cache_dtype!r}")
