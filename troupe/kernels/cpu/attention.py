@@ -22,8 +22,11 @@ import torch
 
 from troupe.kernels.base import AttentionMetadata
 
-MIN_SPLIT = 256  # split-K pieces cover at least this many context positions
-MIN_PARALLEL = 8192  # a step with fewer query x key pairs per layer runs on one thread
+# Parallel split (docs/kernels.md): one thread computes ~7 ns per query x key pair (9 heads, D 64, float16
+# pool), a parallel region costs a few us on an idle 2-core machine, so below MIN_PARALLEL pairs per layer
+# (~30 us of work) the step stays on the calling thread; split-K pieces cover at least MIN_SPLIT positions.
+MIN_SPLIT = 128
+MIN_PARALLEL = 4096
 
 
 @dataclass(slots=True)
