@@ -4,7 +4,8 @@
 tokens each, transformers float32 on the same weights as the oracle. For each set of `--sets` (`name` or
 `name:kv_cache_dtype`) all prompts run together in one `EngineCore` (chunked prefill, mixed steps), and
 the line says how many sequences equal transformers' exactly, how many diverge at a near-tie (troupe's
-token in transformers' top-5 there), and the first-divergence positions. The figures in docs/kernels.md
+token in transformers' top-5 there), the first-divergence positions, and the largest and mean absolute
+difference of the logits at each prompt's last position (one prefill per prompt) from transformers'. The figures in docs/kernels.md
 that decide `kv_cache_dtype="auto"` come from this command.
 """
 
@@ -18,12 +19,14 @@ from typing import Any
 import torch
 
 
-def hf_greedy(model_dir: Any, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[set[int]]]]:
-    """transformers' greedy continuation of each prompt and its top-5 at each generated position."""
+def hf_greedy(model_dir: Any, prompts: list[list[int]], n: int
+              ) -> tuple[list[list[int]], list[list[set[int]]], list[torch.Tensor]]:
+    """transformers' greedy continuation of each prompt, its top-5 at each generated position, and its
+    logits at the prompt's last position."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
-    tokens, top5 = [], []
+    tokens, top5, first = [], [], []
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -31,11 +34,15 @@ def hf_greedy(model_dir: Any, prompts: list[list[int]], n: int) -> tuple[list[li
                                  return_dict_in_generate=True, pad_token_id=0)
             tokens.append(out.sequences[0, len(p):].tolist())
             top5.append([set(step[0].topk(5).indices.tolist()) for step in out.logits])
-    return tokens, top5
+            first.append(out.logits[0][0].float())
+    return tokens, top5, first
 
 
-def troupe_greedy(spec: str, model: str, prompts: list[list[int]], n: int, threads: int | None) -> list[list[int]]:
+def troupe_greedy(spec: str, model: str, prompts: list[list[int]], n: int, threads: int | None
+                  ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The greedy tokens of every prompt (all in one engine), then each prompt's last-position logits."""
     from troupe.config import EngineConfig
+    from troupe.core.batch import ScheduledSeq
     from troupe.core.engine_core import EngineCore
     from troupe.messages import AddRequest
     from troupe.sampling_params import SamplingParams
@@ -50,7 +57,10 @@ def troupe_greedy(spec: str, model: str, prompts: list[list[int]], n: int, threa
     while core.has_unfinished_requests():
         for o in core.step().outputs:
             got[o.request_id].extend(o.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(prompts))]
+    bs = core.runner.block_size
+    logits = [core.runner.execute([ScheduledSeq("probe", p, 0, list(range(1, 1 + -(-len(p) // bs))), True)])[0]
+              for p in prompts]
+    return [got[f"r{i}"] for i in range(len(prompts))], logits
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,10 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = load_tokenizer(model_dir)
     prompts = [make_prompts(tok, 1, n, n, seed=i)[0]
                for i, n in enumerate(random.Random(0).randint(5, 300) for _ in range(args.num_prompts))]
-    want, top5 = hf_greedy(model_dir, prompts, args.max_tokens)
+    want, top5, hf_logits = hf_greedy(model_dir, prompts, args.max_tokens)
     print(f"{args.num_prompts} prompts of 5..300 tokens, {args.max_tokens} greedy tokens, against transformers float32")
     for spec in args.sets.split(","):
-        got = troupe_greedy(spec, args.model, prompts, args.max_tokens, args.threads)
+        got, logits = troupe_greedy(spec, args.model, prompts, args.max_tokens, args.threads)
+        diff = torch.stack([(a - b).abs().max() for a, b in zip(logits, hf_logits, strict=True)])
+        mean = torch.stack([(a - b).abs().mean() for a, b in zip(logits, hf_logits, strict=True)]).mean()
         exact, near, far, where = 0, 0, 0, []
         for i, (w, g) in enumerate(zip(want, got, strict=True)):
             if w == g:
@@ -83,5 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             near += g[k] in top5[i][k]
             far += g[k] not in top5[i][k]
         print(f"{spec:<16} exact {exact}/{len(prompts)} ({exact / len(prompts):.0%}), diverging at a near-tie {near}, "
-              f"elsewhere {far}; first divergences at {sorted(where)}", flush=True)
+              f"elsewhere {far}; first divergences at {sorted(where)}; last-prompt-position logits vs "
+              f"transformers: max |diff| {diff.max():.2e}, mean {mean:.2e}", flush=True)
     return 0
