@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-from troupe.config import DEFAULT_MODEL, QUANTIZATIONS, EngineConfig
+from troupe.config import DEFAULT_MODEL, KERNEL_SETS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
@@ -41,6 +41,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pool's dtype (auto: float16 with the cpu kernels, the model's dtype with eager)")
+    g.add_argument("--kernels", default="auto", choices=KERNEL_SETS,
+                   help="the kernel set (auto: the compiled cpu kernels where they build, else eager torch)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
@@ -78,6 +82,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                kv_cache_dtype=args.kv_cache_dtype, kernels=args.kernels,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 num_threads=args.num_threads, multiprocess=not args.in_process,
                 data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,
