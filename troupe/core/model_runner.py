@@ -87,6 +87,9 @@ class ModelRunner:
         self.kv_caches = [] if self.null_model else self.kernels.allocate_kv(self.kv_spec)
         if on_gpu and not config.enforce_eager:
             self._capture_graphs()
+        log.info("model loaded", model=str(self.model_path), kernels=self.kernels.name, device=str(self.device),
+                 dtype=str(self.info.dtype).removeprefix("torch."), num_kv_blocks=self.num_blocks,
+                 kv_cache_dtype=str(self.kernels.kv_cache_dtype(self.info.dtype)).removeprefix("torch."))
 
     def _count_blocks(self, config: EngineConfig, gpu_budget: int | None = None) -> int:
         if config.num_kv_blocks is not None:
