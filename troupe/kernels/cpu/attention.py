@@ -22,9 +22,9 @@ import torch
 
 from troupe.kernels.base import AttentionMetadata
 
-# Parallel split (docs/kernels.md): one thread computes ~7 ns per query x key pair (9 heads, D 64, float16
-# pool), a parallel region costs a few us on an idle 2-core machine, so below MIN_PARALLEL pairs per layer
-# (~30 us of work) the step stays on the calling thread; split-K pieces cover at least MIN_SPLIT positions.
+# Parallel split (docs/kernels.md, "Split-K", has the measured rates): below MIN_PARALLEL query x key pairs
+# per layer the work is worth less than opening a parallel region, so the step stays on the calling
+# thread; split-K pieces cover at least MIN_SPLIT context positions.
 MIN_SPLIT = 128
 MIN_PARALLEL = 4096
 

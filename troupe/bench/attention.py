@@ -1,10 +1,7 @@
-"""`python -m troupe.kernels.cpu.bench`: the cpu kernel set against the eager set, same run.
+"""`python -m troupe.bench.attention`: the cpu kernel set's paged attention against the eager set's, same run.
 
-`python -m troupe.kernels.cpu.bench [attention]`: microbenchmarks of attention (below);
-`python -m troupe.kernels.cpu.bench e2e`: the whole engine with each set (`bench_e2e`);
-`python -m troupe.kernels.cpu.bench accuracy`: greedy tokens of each set against transformers (`bench_accuracy`).
-
-Attention microbenchmarks.
+(The whole engine with each set: `python -m troupe.bench.kernel_sets`; greedy tokens of each set against
+transformers: `python -m troupe.bench.accuracy`.)
 
 Shapes of the default model (9 query heads, 3 kv heads, head dim 64, blocks of 16). Decode steps at
 batch 1 / 16 / 64 and contexts 128..1024 (every sequence at that context), plus two prefill chunks; each
@@ -144,18 +141,7 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["e2e"]:
-        from troupe.kernels.cpu.bench_e2e import main as e2e
-
-        return e2e(argv[1:])
-    if argv[:1] == ["accuracy"]:
-        from troupe.kernels.cpu.bench_accuracy import main as accuracy
-
-        return accuracy(argv[1:])
-    if argv[:1] == ["attention"]:
-        argv = argv[1:]
-    p = argparse.ArgumentParser(prog="python -m troupe.kernels.cpu.bench [attention]", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per method per round")

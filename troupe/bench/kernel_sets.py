@@ -1,8 +1,8 @@
-"""`python -m troupe.kernels.cpu.bench e2e`: the engine with each kernel set, same run, taking turns.
+"""`python -m troupe.bench.kernel_sets`: the engine with each kernel set, same run, taking turns.
 
-Every set in `--sets` (`name` or `name:kv_cache_dtype`, e.g. `eager,cpu,cpu:float32`) gets its own `LLM`
-(engine process, prefix caching off, `--dtype` weights), all alive at once so that they take turns round
-by round under the same machine load:
+Every set in `--sets` (`name[:kv_cache_dtype][/quantization]`, e.g. `eager,cpu,cpu:float32,cpu/gguf-q8`;
+see `set_options`) gets its own `LLM` (engine process, prefix caching off, `--dtype`), all alive at once
+so that they take turns round by round under the same machine load:
 
 - offline: `troupe.bench.alternate_offline` (`--num-prompts` prompts of 20..400 tokens, `--max-tokens`
   greedy tokens each, ignore_eos), output tok/s;
@@ -22,6 +22,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from troupe.bench.offline import alternate_offline, make_prompts
+
+
+def set_options(spec: str) -> dict[str, Any]:
+    """`name[:kv_cache_dtype][/quantization]` -> the EngineConfig fields `kernels`, `kv_cache_dtype`,
+    `quantization` (each omitted part "auto")."""
+    rest, _, quantization = spec.partition("/")
+    name, _, kv = rest.partition(":")
+    return dict(kernels=name, kv_cache_dtype=kv or "auto", quantization=quantization or "auto")
 
 
 def _rss_gib(pid: int, field: str = "VmHWM") -> float:
@@ -47,11 +55,11 @@ def _single_stream(llm: Any, prompt: list[int], max_tokens: int) -> tuple[float,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m troupe.kernels.cpu.bench e2e", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.kernel_sets", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default="eager,cpu")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: float32 for a GGUF (the default model)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -63,9 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     llms: dict[str, Any] = {}
     try:
         for spec in args.sets.split(","):
-            name, _, kv = spec.partition(":")
-            llms[spec] = LLM(model=args.model, dtype=args.dtype, kernels=name, kv_cache_dtype=kv or "auto",
-                             enable_prefix_caching=False, num_threads=args.threads)
+            llms[spec] = LLM(model=args.model, dtype=args.dtype, **set_options(spec), enable_prefix_caching=False,
+                             num_threads=args.threads)
         offline = {} if args.skip_offline else alternate_offline(
             llms, num_prompts=args.num_prompts, max_tokens=args.max_tokens, repeats=args.repeats)
         prompt = make_prompts(next(iter(llms.values())).get_tokenizer(), 1, 100, 100, seed=1)[0]
