@@ -99,6 +99,17 @@ def _gib(value: int | None) -> float | None:
     return None if value is None else value / GIB
 
 
+def worker_spec(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """What every worker of this run gets (troupe.bench.workers.wire), less its parts, model and options."""
+    from troupe.bench import workload
+
+    return {"prompts": workload.offline_prompts(tokenizer, args.num_prompts, args.min_len, args.max_len),
+            "max_tokens": args.max_tokens, "threads": args.threads,
+            "single_prompt": workload.single_prompt(tokenizer, args.single_prompt_len),
+            "single_tokens": args.single_tokens, "single_repeats": args.single_repeats,
+            "warm_prompt": workload.warm_prompt(tokenizer)}
+
+
 def run_round(engine: eng.BenchEngine, rnd: int, args: argparse.Namespace, spec: dict[str, Any],
               report: Report, workdir: Path) -> int:
     """One round of `engine`: its worker (offline/single/startup parts), then its server. Returns the
@@ -167,14 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args.model = random_model(args.random_model, "float32", str(workdir / "model"))
         files = eng.model_files(args.model)
-        from troupe.bench import workload
-
-        tok = eng.tokenizer(files)
-        prompts = workload.offline_prompts(tok, args.num_prompts, args.min_len, args.max_len)
-        spec = {"prompts": prompts, "max_tokens": args.max_tokens, "threads": args.threads,
-                "single_prompt": workload.single_prompt(tok, args.single_prompt_len),
-                "single_tokens": args.single_tokens, "single_repeats": args.single_repeats,
-                "warm_prompt": workload.warm_prompt(tok)}
+        spec = worker_spec(args, eng.tokenizer(files))
+        prompts = spec["prompts"]
         troupe_side = eng.troupe_engines(args)
         report = Report(troupe=[e.label for e in troupe_side], baselines=[])
         baselines = eng.baseline_engines(args, files, report)

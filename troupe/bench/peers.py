@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import troupe
-from troupe.bench.rss import TreePeak, TreeSampler
+from troupe.bench.rss import TreePeak, TreeSampler, group_members
 
 WORKERS = Path(__file__).parent / "workers"
 PEERS_HOME = Path(os.environ.get("TROUPE_PEERS") or Path.home() / ".cache" / "troupe-peers").expanduser()
@@ -121,13 +121,20 @@ def stop_group(proc: subprocess.Popen[Any], first: int = signal.SIGTERM, grace: 
             _signal_group(pgid, signal.SIGKILL)
             proc.wait()
             killed = True
-    deadline = time.monotonic() + grace
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)  # polling: a process group has no exit event to wait on
-    if _group_alive(pgid):
+    if not _wait_group_gone(pgid, grace):
         _signal_group(pgid, signal.SIGKILL)
         killed = True
+        _wait_group_gone(pgid, 10.0)  # SIGKILL takes effect asynchronously
     return killed
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)  # polling: a process group has no exit event to wait on
+    return True
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -138,13 +145,14 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie waiting for init to reap it does not)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return bool(group_members(pgid)) if os.path.isdir("/proc/self") else True
 
 
 def run_worker(cmd: list[str], spec: dict[str, Any], *, env: dict[str, str], workdir: Path, tag: str,

@@ -27,8 +27,8 @@ class TreePeak:
     samples: int = 0
 
 
-def _parents_and_groups() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, pgrp) of every process visible in /proc."""
+def _parents_and_groups(running: bool = False) -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, pgrp) of every process visible in /proc (`running`: zombies left out)."""
     table: dict[int, tuple[int, int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -39,8 +39,14 @@ def _parents_and_groups() -> dict[int, tuple[int, int]]:
         except OSError:
             continue  # gone meanwhile
         fields = stat[stat.rindex(b")") + 2:].split()  # after "(comm)": state ppid pgrp ...
-        table[int(name)] = (int(fields[1]), int(fields[2]))
+        if not (running and fields[0] in (b"Z", b"X")):
+            table[int(name)] = (int(fields[1]), int(fields[2]))
     return table
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of group `pgid` that still run (not zombies)."""
+    return sorted(pid for pid, (_, pgrp) in _parents_and_groups(running=True).items() if pgrp == pgid)
 
 
 def tree_pids(root: int, group: int | None = None) -> list[int]:
