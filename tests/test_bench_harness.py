@@ -73,3 +73,14 @@ def test_troupe_configs_are_engine_config_fields() -> None:
     assert args.peers == ["transformers", "vllm", "llamacpp"]
     assert (args.num_prompts, args.min_len, args.max_len, args.max_tokens) == (64, 22, 379, 128)
     assert (args.single_prompt_len, args.single_tokens, args.serve_clients) == (100, 128, 16)
+
+
+def test_troupe_options_become_serve_flags() -> None:
+    """A troupe configuration reaches `troupe serve` as its flags: values as `--key value`, True as `--key`,
+    prefix caching off as `--no-prefix-caching`, the in-process engine as `--in-process`."""
+    from troupe.bench.serving import engine_flags
+
+    assert engine_flags({"enable_prefix_caching": False, "num_threads": 2, "quantization": "gguf-q8",
+                         "enforce_eager": True, "multiprocess": False, "seed": None}) == [
+        "--no-prefix-caching", "--num-threads", "2", "--quantization", "gguf-q8", "--enforce-eager", "--in-process"]
+    assert engine_flags({"enable_prefix_caching": True, "multiprocess": True}) == []

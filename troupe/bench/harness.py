@@ -210,12 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 Path(args.json).write_text(text + "\n")
         sys.stdout.flush()
+    except KeyboardInterrupt:  # the running engine's process group was ended on the way out
+        print("troupe bench: interrupted", file=sys.stderr)
+        failures = 130
     finally:
         if failures or args.keep_logs:
             print(f"troupe bench: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    return 1 if failures else 0
+    return 130 if failures == 130 else 1 if failures else 0
 
 
 def _cpu_name() -> str:
