@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.troupe_configs = args.troupe_configs or eng.default_troupe_configs()
     workdir = Path(tempfile.mkdtemp(prefix="troupe-bench-"))
-    failures = 0
+    failures, interrupted = 0, False
     try:
         if args.random_model:
             from troupe.bench.offline import random_model
@@ -212,13 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except KeyboardInterrupt:  # the running engine's process group was ended on the way out
         print("troupe bench: interrupted", file=sys.stderr)
-        failures = 130
+        interrupted = True
     finally:
-        if failures or args.keep_logs:
+        if failures or interrupted or args.keep_logs:
             print(f"troupe bench: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    return 130 if failures == 130 else 1 if failures else 0
+    return 130 if interrupted else 1 if failures else 0
 
 
 def _cpu_name() -> str:
