@@ -248,9 +248,10 @@ def test_tree_sampler_counts_the_whole_tree_and_stop_group_ends_it(tmp_path: Pat
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         sampler = TreeSampler(proc.pid, group=proc.pid)
-        sampler.take()
+        sampler.take(full=True)
         assert sampler.peak.max_processes == 2
         assert sampler.peak.rss_bytes is not None and sampler.peak.rss_bytes > 200 * 2**20
+        assert sampler.peak.pss_bytes is not None and 200 * 2**20 < sampler.peak.pss_bytes <= sampler.peak.rss_bytes
         pids = tree_pids(proc.pid, proc.pid)
     finally:
         killed = peers.stop_group(proc, grace=5.0)

@@ -33,9 +33,9 @@ METRICS = [
     Metric("startup_ready_s", "start-up: process start to engine built", "s", False, 2),
     Metric("serve_ready_s", "start-up: server process start to /health ready", "s", False, 2),
     Metric("rss_offline_gib", "peak RSS, process tree (offline/single)", "GiB", False, 2),
-    Metric("pss_offline_gib", "peak PSS, process tree (offline/single)", "GiB", False, 2),
+    Metric("pss_offline_gib", "PSS near peak RSS, process tree (offline/single)", "GiB", False, 2),
     Metric("rss_serve_gib", "peak RSS, process tree (server)", "GiB", False, 2),
-    Metric("pss_serve_gib", "peak PSS, process tree (server)", "GiB", False, 2),
+    Metric("pss_serve_gib", "PSS near peak RSS, process tree (server)", "GiB", False, 2),
 ]
 BY_KEY = {m.key: m for m in METRICS}
 

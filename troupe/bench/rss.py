@@ -6,15 +6,17 @@ every process that descends from a root pid or shares its process group (the ben
 engine in a new session, so a grandchild re-parented to init still counts), and keeps the peak of the
 sum of their RSS (`/proc/PID/statm`) and of their PSS (`/proc/PID/smaps_rollup`: shared pages split
 between the processes that map them, so the torch libraries every process of a tree maps are not
-counted once per process). A sum of samples can miss a spike shorter than the interval; it never
-counts memory twice in time. Linux only: elsewhere the figures stay None.
+counted once per process; read less often, see `TreeSampler`). A sum of samples can miss a spike
+shorter than the interval; it never counts memory twice in time. Linux only: elsewhere the figures stay None.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -87,27 +89,35 @@ def _pss(pid: int) -> int | None:
 
 
 def sample_tree(root: int, group: int | None = None) -> tuple[int, int | None, int]:
-    """One sample: (sum of RSS, sum of PSS or None, number of processes) of the tree."""
-    rss_total, pss_total, count, pss_ok = 0, 0, 0, True
-    for pid in tree_pids(root, group):
-        rss = _rss(pid)
-        if rss is None:
-            continue
-        count += 1
-        rss_total += rss
-        pss = _pss(pid)
-        pss_ok = pss_ok and pss is not None
-        pss_total += pss or 0
-    return rss_total, (pss_total if pss_ok and count else None), count
+    """One full sample: (sum of RSS, sum of PSS or None, number of processes) of the tree."""
+    pids = tree_pids(root, group)
+    rss = _sum(_rss, pids)
+    return rss[0], _sum(_pss, pids)[0] if rss[1] else None, rss[1]
+
+
+def _sum(read: Any, pids: list[int]) -> tuple[int, int]:
+    """(sum of `read(pid)` over the pids that could be read, how many could)."""
+    values = [v for v in map(read, pids) if v is not None]
+    return sum(values), len(values)
 
 
 class TreeSampler:
-    """`with TreeSampler(pid, group=pgid) as s: ...` then `s.peak`; samples every `interval` s on a thread
-    (the `with` stops and joins it). Without /proc it samples nothing and `peak` keeps None figures."""
+    """`with TreeSampler(pid, group=pgid) as s: ...` then `s.peak`; samples on a thread (the `with` stops
+    and joins it). Without /proc it samples nothing and `peak` keeps None figures.
 
-    def __init__(self, root: int, group: int | None = None, interval: float = 0.1) -> None:
-        self.root, self.group, self.interval = root, group, interval
+    Cost, which is taken from the engine being measured on a small machine: the RSS of the known tree
+    every `interval` s (a few statm reads), the process table scanned for new members every
+    `scan_every` s, and PSS (smaps_rollup walks every mapping: ~0.1-0.3 s for a tree of several GB)
+    only when the RSS sum is within 3% of its peak, at most every `pss_every` s; so `pss_bytes` is the
+    largest PSS seen around the RSS peaks, not a sample of every instant."""
+
+    def __init__(self, root: int, group: int | None = None, interval: float = 0.2, scan_every: float = 1.0,
+                 pss_every: float = 2.0) -> None:
+        self.root, self.group = root, group
+        self.interval, self.scan_every, self.pss_every = interval, scan_every, pss_every
         self.peak = TreePeak()
+        self._pids: list[int] = []
+        self._scanned = self._pss_at = -float("inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rss-{root}", daemon=True)
 
@@ -127,14 +137,21 @@ class TreeSampler:
             if self._stop.wait(self.interval):
                 return
 
-    def take(self) -> None:
-        """Take one sample now and fold it into `peak`."""
-        rss, pss, count = sample_tree(self.root, self.group)
+    def take(self, full: bool = False) -> None:
+        """Take one sample now (`full`: rescan the tree and read PSS regardless of the schedule) and fold
+        it into `peak`."""
+        now = time.monotonic()
+        if full or now - self._scanned >= self.scan_every:
+            self._pids, self._scanned = tree_pids(self.root, self.group), now
+        rss, count = _sum(_rss, self._pids)
         if count == 0:
             return
         p = self.peak
         p.samples += 1
         p.max_processes = max(p.max_processes, count)
         p.rss_bytes = max(p.rss_bytes or 0, rss)
-        if pss is not None:
-            p.pss_bytes = max(p.pss_bytes or 0, pss)
+        if full or (rss >= 0.97 * p.rss_bytes and now - self._pss_at >= self.pss_every):
+            self._pss_at = now
+            pss, readable = _sum(_pss, self._pids)
+            if readable == count:
+                p.pss_bytes = max(p.pss_bytes or 0, pss)
