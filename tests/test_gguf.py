@@ -59,7 +59,9 @@ def troupe_logits(path: Path, kernels: str, quantization: str, block_size: int =
     """All prompts in one flattened step through the model bound to the named kernel set: every position."""
     from troupe.kernels import select_kernels
 
-    ops = select_kernels(EngineConfig(kernels=kernels, quantization=quantization, decode_row_cache_bytes=0))
+    # a float32 pool, so that the projections' exactness is what the tolerance checks
+    ops = select_kernels(EngineConfig(kernels=kernels, quantization=quantization, decode_row_cache_bytes=0,
+                                      kv_cache_dtype="float32"))
     model, info = load_model(path, "auto", kernels=ops, quantization=quantization)
     need = [-(-len(p) // block_size) for p in PROMPTS]
     tables = [list(range(sum(need[:i]), sum(need[: i + 1]))) for i in range(len(PROMPTS))]
