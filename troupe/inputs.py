@@ -34,6 +34,7 @@ class ModelLimits:
     kv_capacity_tokens: int | None = None  # tokens one request can hold in the KV pool
     data_parallel_size: int = 1
     priority_scheduling: bool = False  # the engine honours `priority` (scheduling_policy="priority")
+    max_logprobs: int = 20  # EngineConfig.max_logprobs: -1 allows the whole vocabulary
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,27 @@ def validate_prompt_ids(ids: list[int], limits: ModelLimits) -> None:
         )
 
 
+def validate_sampling(params: SamplingParams, limits: ModelLimits) -> None:
+    """The checks of `params` that need the model: token ids inside the vocabulary, logprob counts
+    within `max_logprobs`. Raises `InvalidInputError` naming the field."""
+    vocab = limits.vocab_size
+    if params.n > 1:  # the frontend fans a request out into n children of n=1 before this
+        raise InvalidInputError("n", f"n > 1 is not supported yet by troupe (got {params.n})")
+    for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("allowed_token_ids",
+                       params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+        for t in ids:
+            if t >= vocab:
+                raise InvalidInputError(field, f"token id {t} is outside the vocabulary [0, {vocab})")
+    most = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    for field in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, field)
+        if asked is None:
+            continue
+        if (vocab if asked == -1 else asked) > most:
+            raise InvalidInputError(field, f"asks for {asked} logprobs; at most {limits.max_logprobs} are allowed "
+                                    "(the engine's max_logprobs; -1 there allows the whole vocabulary)")
+
+
 def build_request(
     *, prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits, external_id: str,
     priority: int = 0, data_parallel_rank: int | None = None,
@@ -121,9 +143,8 @@ def build_request(
         raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     params.verify()  # again: the struct is mutable, and a field changed since construction must not reach the engine
     validate_prompt_ids(prompt_token_ids, limits)
-    for t in params.stop_token_ids or ():
-        if t >= limits.vocab_size:
-            raise InvalidInputError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
+    validate_sampling(params, limits)
+    _refuse_unimplemented(params)
     if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
         raise InvalidInputError("priority", f"must be a signed 64-bit integer, got {priority!r}")
     if priority != 0 and not limits.priority_scheduling:
@@ -150,3 +171,12 @@ def build_request(
         external_id=external_id,
         data_parallel_rank=data_parallel_rank,
     )
+
+
+def _refuse_unimplemented(params: SamplingParams) -> None:
+    """Fields accepted by `SamplingParams` whose engine side is not there yet."""
+    for field, neutral in (("logprobs", None), ("prompt_logprobs", None), ("presence_penalty", 0.0),
+                           ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("logit_bias", None),
+                           ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None)):
+        if getattr(params, field) != neutral:
+            raise InvalidInputError(field, "is not supported yet by troupe's engine")
