@@ -134,17 +134,43 @@ def validate_sampling(params: SamplingParams, limits: ModelLimits) -> None:
                                     "(the engine's max_logprobs; -1 there allows the whole vocabulary)")
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) alone, and after a space
+    when that gives a different first token with as many tokens (the word in mid-text)."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (alone, spaced):
+            if ids and ids not in out and (ids is alone or (ids[0] != alone[0] and len(ids) == len(alone))):
+                out.append(ids)
+        for t in alone + spaced:
+            if not 0 <= t < vocab_size:
+                raise InvalidInputError("bad_words", f"{word!r} tokenizes to id {t}, outside the vocabulary")
+    return out
+
+
 def build_request(
     *, prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits, external_id: str,
-    priority: int = 0, data_parallel_rank: int | None = None,
+    priority: int = 0, data_parallel_rank: int | None = None, tokenizer: Any = None,
 ) -> AddRequest:
-    """Validate and resolve one request (max_tokens, EOS ids, a unique internal id)."""
+    """Validate and resolve one request (max_tokens, EOS ids, a unique internal id, the bad words'
+    token ids with `tokenizer`); a structured-output spec is parsed by the backend here, so a bad one
+    fails at the edge."""
     if not isinstance(params, SamplingParams):
         raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     params.verify()  # again: the struct is mutable, and a field changed since construction must not reach the engine
     validate_prompt_ids(prompt_token_ids, limits)
     validate_sampling(params, limits)
-    _refuse_unimplemented(params)
+    bad_words: list[list[int]] = []
+    if params.bad_words:
+        if tokenizer is None:
+            raise InvalidInputError("bad_words", "bad words need a tokenizer (this engine has none)")
+        bad_words = bad_words_token_ids(tokenizer, params.bad_words, limits.vocab_size)
+    if params.structured_outputs is not None:
+        from troupe.structured.backend import validate
+
+        validate(params.structured_outputs)
     if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
         raise InvalidInputError("priority", f"must be a signed 64-bit integer, got {priority!r}")
     if priority != 0 and not limits.priority_scheduling:
@@ -170,13 +196,6 @@ def build_request(
         priority=priority,
         external_id=external_id,
         data_parallel_rank=data_parallel_rank,
+        bad_words_token_ids=bad_words,
     )
 
-
-def _refuse_unimplemented(params: SamplingParams) -> None:
-    """Fields accepted by `SamplingParams` whose engine side is not there yet."""
-    for field, neutral in (("logprobs", None), ("prompt_logprobs", None), ("presence_penalty", 0.0),
-                           ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("logit_bias", None),
-                           ("allowed_token_ids", None), ("bad_words", None), ("structured_outputs", None)):
-        if getattr(params, field) != neutral:
-            raise InvalidInputError(field, "is not supported yet by troupe's engine")
