@@ -265,3 +265,40 @@ def test_logprobs_follow_the_output_kind(tiny_llama: Path) -> None:
         assert o.outputs[0].logprobs == want[:len(o.outputs[0].token_ids)]
         assert o.prompt_logprobs == final[-1].prompt_logprobs
     assert cumulative[-1].outputs[0].cumulative_logprob == pytest.approx(final[-1].outputs[0].cumulative_logprob)
+
+
+@pytest.mark.parametrize("budget", [8, 3, 64])
+def test_prompt_logprobs_survive_any_chunking_and_preemption(tiny_llama: Path, budget: int) -> None:
+    """In the engine, prompt logprobs come with the first token whatever the chunking (a last chunk of one
+    token computes no prompt row; a one-token prompt has none) and under preemption, equal to those of one
+    unchunked prefill, and the sampled tokens' logprobs equal too."""
+    def rows(cfg: dict[str, Any]) -> dict[str, Any]:
+        core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="float32", max_model_len=128, **cfg))
+        p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+        for rid, prompt in (("nine", list(range(3, 12))), ("one", [7]), ("long", list(range(20, 50)))):
+            core.add_request(AddRequest(rid, prompt, p, 6))
+        got: dict[str, Any] = {}
+        preempted = 0
+        while core.has_unfinished_requests():
+            out = core.step()
+            preempted = max(preempted, out.scheduler_stats.num_preemptions if out.scheduler_stats else 0)
+            for o in out.outputs:
+                entry = got.setdefault(o.request_id, {"prompt": None, "sample": []})
+                if o.prompt_logprobs is not None:
+                    assert entry["prompt"] is None  # sent once
+                    entry["prompt"] = o.prompt_logprobs
+                entry["sample"].append(o.new_logprobs)
+        got["preempted"] = preempted
+        core.close()
+        return got
+
+    ref = rows(dict(max_num_batched_tokens=256))
+    got = rows(dict(max_num_batched_tokens=budget, num_kv_blocks=6, block_size=8))
+    if budget == 8:  # its chunks run the three requests at once: the 6-block pool preempts
+        assert got["preempted"] > 0
+    for rid, n in (("nine", 8), ("one", 0), ("long", 29)):
+        assert len(got[rid]["prompt"].token_ids) == n
+        assert got[rid]["prompt"].token_ids == ref[rid]["prompt"].token_ids
+        for a, b in zip(got[rid]["prompt"].logprobs, ref[rid]["prompt"].logprobs, strict=True):
+            assert a == pytest.approx(b, abs=1e-4)
+        assert [s.token_ids for s in got[rid]["sample"]] == [s.token_ids for s in ref[rid]["sample"]]
