@@ -6,7 +6,6 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import pytest
 
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
@@ -19,8 +18,6 @@ from troupe.messages import (
     EngineOutput,
 )
 from troupe.sampling_params import RequestOutputKind, SamplingParams
-
-pytestmark = pytest.mark.anyio
 
 
 def add(table: RequestTable, i: int, **kw: Any) -> Any:

@@ -34,8 +34,6 @@ from troupe.messages import (
 from troupe.process.engine_main import default_threads
 from troupe.process.launch import rank_address
 
-pytestmark = pytest.mark.anyio
-
 ENGINE = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, block_size=16)
 
 

@@ -29,8 +29,6 @@ from troupe.server.errors import to_api_error
 from troupe.server.protocol import ChatCompletionRequest, CompletionRequest, reject_unsupported
 from troupe.server.state import ServerSettings
 
-pytestmark = pytest.mark.anyio
-
 
 def delta(text: str, token: int, finish: str | None = None) -> RequestOutput:
     return RequestOutput("r", text, [1, 2, 3], [CompletionOutput(0, text, [token], finish_reason=finish)],

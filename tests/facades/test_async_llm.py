@@ -18,7 +18,8 @@ import pytest
 
 from troupe import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = pytest.mark.slow  # engines in processes
+
 
 ENGINE = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, block_size=16)
 
@@ -26,11 +27,6 @@ ENGINE = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=256, num_
 def params(kind: RequestOutputKind, max_tokens: int = 10, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind, **kw)
 
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    """Module scope, so that one engine (per mode) can serve the whole module."""
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
