@@ -16,8 +16,9 @@ from typing import Any
 
 import anyio
 import pytest
+from factories import TINY_ENGINE as ENGINE
+from factories import assert_idle
 from structlog.testing import capture_logs
-from test_async_llm import ENGINE, assert_idle
 
 from troupe import AsyncLLM, InvalidInputError, RequestOutput, RequestOutputKind, SamplingParams
 
