@@ -53,5 +53,4 @@ async def assert_idle(llm: Any) -> None:
     assert graph.table.num_unfinished == 0
     # the published stats (what /metrics shows) are back to idle too, aborts included
     assert all(st.num_running == 0 and st.num_waiting == 0 for st in llm.engine_stats.values())
-    assert not graph.table.by_external
     assert not graph.table.processor.has_unfinished_requests()

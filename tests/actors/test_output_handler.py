@@ -8,6 +8,7 @@ import anyio
 import anyio.lowlevel
 from factories import add_request
 
+from troupe.actors.engine_stats import EngineStats
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
 from troupe.messages import (
@@ -30,7 +31,7 @@ async def test_a_10000_entry_step_is_processed_in_slices_while_others_run(tokeni
     streams = [add(table, i) for i in range(10_000)]
     out_send, out_recv = anyio.create_memory_object_stream[EngineOutput](4)
     eng_send, eng_recv = anyio.create_memory_object_stream[EngineInput](4)
-    handler = OutputHandler(table, out_recv, eng_send, chunk_size=128)
+    handler = OutputHandler(table, EngineStats(), out_recv, eng_send, chunk_size=128)
     ticks_during: list[int] = []
     ticks = 0
     stop = anyio.Event()
@@ -67,7 +68,7 @@ async def test_stop_string_hit_sends_an_abort_to_the_engine(tokenizer: Any) -> N
     stream = add(table, 0, stop="lo")
     out_send, out_recv = anyio.create_memory_object_stream[EngineOutput](4)
     eng_send, eng_recv = anyio.create_memory_object_stream[EngineInput](4)
-    handler = OutputHandler(table, out_recv, eng_send)
+    handler = OutputHandler(table, EngineStats(), out_recv, eng_send)
     ids = tokenizer.encode("hello world", add_special_tokens=False)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg, eng_recv:

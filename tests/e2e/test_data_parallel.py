@@ -4,12 +4,14 @@ engines' own counters (`get_stats()["engines"]`), not the balancer's view of the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +61,14 @@ class FakeEngines:
                     self.to_output, self.output):
             end.close()
 
-    def balancer(self) -> DPBalancer:
-        return DPBalancer(self.inbox, self.sends, self.from_engines, self.to_output)
+    @contextlib.asynccontextmanager
+    async def balancer(self) -> AsyncIterator[DPBalancer]:
+        """The balancer running (started as the graph starts every actor: `tg.start(run)`)."""
+        bal = DPBalancer(self.inbox, self.sends, self.from_engines, self.to_output)
+        async with anyio.create_task_group() as tg:
+            await tg.start(bal.run)
+            yield bal
+            tg.cancel_scope.cancel()
 
     def received(self, rank: int) -> list[EngineInput]:
         out = []

@@ -30,6 +30,7 @@ import structlog
 from structlog.testing import capture_logs as _capture_logs
 
 from troupe import AsyncLLM, RequestOutputKind, SamplingParams
+from troupe.actors.engine_stats import EngineStats
 from troupe.actors.requests import RequestTable
 from troupe.actors.stats_logger import StatsLogger, stats_lines
 from troupe.log import configure_logging, set_level, trace_enabled
@@ -296,12 +297,12 @@ def _step(engine: int, prompt: int, gen: int, running: int = 1, waiting: int = 0
 def test_stats_lines_report_throughput_per_engine_and_in_total() -> None:
     """Two engines: one line each and a total; rates are tokens over the interval; the prefix-cache
     hit rate is over the interval's lookups; an idle interval gives no line."""
-    table = RequestTable(tokenizer=None)
+    engines = EngineStats(2)
     clock = [100.0]
-    stats = StatsLogger(table, 2.0, clock=lambda: clock[0])
-    table.record_stats(_step(0, 100, 0, queries=100, hits=0))
-    table.record_stats(_step(1, 50, 2, running=2, waiting=3, queries=50, hits=25))
-    table.record_stats(_step(0, 0, 4, queries=100, hits=0))
+    stats = StatsLogger(engines, lambda: 0, 2.0, clock=lambda: clock[0])
+    engines.record(_step(0, 100, 0, queries=100, hits=0))
+    engines.record(_step(1, 50, 2, running=2, waiting=3, queries=50, hits=25))
+    engines.record(_step(0, 0, 4, queries=100, hits=0))
     clock[0] += 2.0
     with capture_logs() as logs:
         assert stats.log_interval()
@@ -327,9 +328,10 @@ async def test_stats_line_is_silent_while_idle(llm: AsyncLLM, log_level: Any) ->
     log_level("info")
     graph = llm._graph
     assert graph is not None
-    stats = StatsLogger(graph.table, 0.05)
+    stats = StatsLogger(graph.stats, lambda: graph.table.num_unfinished, 0.05)
     with capture_logs() as logs:
-        async with stats:
+        async with anyio.create_task_group() as tg:
+            await tg.start(stats.run)
             await anyio.sleep(0.3)
             idle = [e for e in logs if e["event"] == "stats"]
             await run(llm, "count my tokens", "stats-1", max_tokens=30)
@@ -337,6 +339,7 @@ async def test_stats_line_is_silent_while_idle(llm: AsyncLLM, log_level: Any) ->
             busy = [e for e in logs if e["event"] == "stats"]
             await anyio.sleep(0.3)
             after = [e for e in logs if e["event"] == "stats"]
+            tg.cancel_scope.cancel()
     assert idle == []
     assert busy and sum(e["generation_tokens_per_s"] for e in busy) > 0
     assert all(e["actor"] == "stats_logger" and e["engines"] == 1 for e in busy)

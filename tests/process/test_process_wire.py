@@ -1,4 +1,4 @@
-"""The process boundary's wire: frames and tensors, bad frames answered per request, the ZMQ bridges
+"""The process boundary's wire: one frame per message, bad frames answered per request, the ZMQ bridges
 (in one process, no engine), and the engine process client against bad frames and over tcp://."""
 
 from __future__ import annotations
@@ -38,25 +38,15 @@ BAD_ADD = AddRequest("bad", ["not", "ints"], SamplingParams(), 4)  # type: ignor
 BAD_CALL = UtilityCall(7, 123)  # type: ignore[arg-type]  # method must be a str
 
 
-class WithTensor(msgspec.Struct):
-    name: str
-    t: torch.Tensor
-
-
-@pytest.mark.parametrize(("shape", "dtype", "frames"), [
-    ((8,), torch.int64, 1),  # 64 bytes: inline
-    ((64, 1024), torch.float32, 2),  # 256 KiB: its own frame
-    ((3, 200), torch.bfloat16, 2),  # numpy has no bf16: travels as bytes
-    ((0, 5), torch.float32, 1),
-])
-def test_tensors_travel_inline_or_as_extra_frames(shape: tuple[int, ...], dtype: torch.dtype, frames: int) -> None:
-    """A tensor field round-trips with its dtype, shape and values; big ones ride in their own frame."""
-    t = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.arange(8, dtype=dtype)
-    encoded = FrameEncoder().encode(WithTensor("x", t))
-    assert len(encoded) == frames
-    back = FrameDecoder(WithTensor).decode([bytes(f) for f in encoded])
-    assert back.name == "x" and back.t.dtype == dtype and back.t.shape == t.shape
-    assert torch.equal(back.t, t)
+def test_a_message_is_one_frame_of_plain_data() -> None:
+    """Every wire message is one msgpack frame; a tensor cannot be sent (nothing carries one), and a
+    message of several frames does not decode."""
+    assert len(FrameEncoder().encode(GOOD)) == 1
+    with pytest.raises(TypeError):
+        FrameEncoder().encode(UtilityResult(1, result=torch.zeros(2)))
+    frame = FrameEncoder().encode(GOOD)[0]
+    with pytest.raises(msgspec.DecodeError, match="one frame, got 2"):
+        FrameDecoder(ToEngine).decode([frame, frame])
 
 
 def test_every_message_round_trips() -> None:

@@ -22,8 +22,6 @@ several times more on this hot path).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -81,7 +79,7 @@ class InputProcessorStats(NamedTuple):
     rejected: int
 
 
-class InputProcessor(anyio.AsyncContextManagerMixin):
+class InputProcessor:
     def __init__(self, tokenizer: Any, limits: ModelLimits, table: RequestTable,
                  inbox: MemoryObjectReceiveStream[FrontendInput], outbox: MemoryObjectSendStream[EngineInput],
                  *, offload_chars: int = 4096) -> None:
@@ -95,13 +93,6 @@ class InputProcessor(anyio.AsyncContextManagerMixin):
 
     def statistics(self) -> InputProcessorStats:
         return InputProcessorStats(self._submitted, self._offloaded, self._rejected)
-
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[InputProcessor]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="input_processor")

@@ -3,7 +3,8 @@
 Inbox:    `EngineOutput` from the engine(s) (through the balancer when there are several).
 Outbox:   `AbortRequest`s to the engine side for requests that finished on a stop string (the
           engine does not know about stop strings), and per-request streams (`RequestStream`).
-Owns:     nothing but its task; request state lives in the shared `RequestTable`.
+Owns:     nothing but its task; request state lives in the shared `RequestTable`, what the engines
+          report of themselves in the shared `EngineStats`.
 Shutdown: EndOfStream on the inbox, or cancellation.
 
 Each `EngineCoreOutputs` is processed in slices of at most `chunk_size` entries with a checkpoint
@@ -17,8 +18,6 @@ its lag since the engine sent it.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from typing import NamedTuple, assert_never
 
 import anyio
@@ -27,6 +26,7 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from troupe.actors.engine_stats import EngineStats
 from troupe.actors.requests import RequestTable
 from troupe.log import trace, trace_enabled
 from troupe.messages import (
@@ -47,10 +47,11 @@ class OutputHandlerStats(NamedTuple):
     slices: int
 
 
-class OutputHandler(anyio.AsyncContextManagerMixin):
-    def __init__(self, table: RequestTable, inbox: MemoryObjectReceiveStream[EngineOutput],
+class OutputHandler:
+    def __init__(self, table: RequestTable, stats: EngineStats, inbox: MemoryObjectReceiveStream[EngineOutput],
                  to_engine: MemoryObjectSendStream[EngineInput], *, chunk_size: int = 128) -> None:
         self._table = table
+        self._stats = stats
         self._inbox = inbox
         self._to_engine = to_engine
         self.chunk_size = chunk_size
@@ -58,13 +59,6 @@ class OutputHandler(anyio.AsyncContextManagerMixin):
 
     def statistics(self) -> OutputHandlerStats:
         return OutputHandlerStats(self._steps, self._entries, self._slices)
-
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[OutputHandler]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="output_handler")
@@ -75,6 +69,7 @@ class OutputHandler(anyio.AsyncContextManagerMixin):
                     case EngineCoreOutputs():
                         await self._process(msg)
                     case UtilityResult():
+                        self._stats.progressed()
                         self._table.resolve_utility(msg)
                     case EngineDead():
                         log.error("engine died", engine=msg.engine_index, reason=msg.reason)
@@ -84,7 +79,7 @@ class OutputHandler(anyio.AsyncContextManagerMixin):
 
     async def _process(self, msg: EngineCoreOutputs) -> None:
         self._steps += 1
-        self._table.record_stats(msg)
+        self._stats.record(msg)
         outputs = msg.outputs
         if trace_enabled():
             trace(log, "outputs received", engine=msg.engine_index, outputs=len(outputs),

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple, assert_never
 
 import anyio
@@ -64,7 +62,7 @@ class EngineActorStats(NamedTuple):
     unfinished: bool
 
 
-class EngineCoreActor(anyio.AsyncContextManagerMixin):
+class EngineCoreActor:
     def __init__(self, core: EngineCore, inbox: MemoryObjectReceiveStream[EngineInput],
                  outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0) -> None:
         self.core = core
@@ -79,13 +77,6 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
 
     def statistics(self) -> EngineActorStats:
         return EngineActorStats(self._steps, len(self._pending), self.core.has_unfinished_requests())
-
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[EngineCoreActor]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)

@@ -18,6 +18,11 @@ Contract:
   cuts the text but never the token ids.
 - DELTA outputs reuse the engine message's `new_token_ids` list (no copy): nothing downstream
   mutates lists in place (`RequestOutput.add` builds new ones).
+- The processor is the one owner of the frontend's per-request state (as vLLM's keeps the
+  collector in the request state): a request added with a `queue` (an `OutputSink`, e.g. the
+  consumer's stream) gets each of its outputs put there, its abort's final output too, and on
+  `fail_all` the error; the returned outputs are the same objects, for the caller to read (log)
+  at once, not to keep. Without a queue (offline use, tests) the returned outputs are all there is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, NamedTuple
 
 from troupe.errors import InvalidInputError
 from troupe.messages import EngineCoreOutput, FinishReason
+from troupe.output.collector import OutputSink
 from troupe.output.detokenizer import IncrementalDetokenizer, make_detokenizer
 from troupe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
@@ -58,6 +64,7 @@ class RequestState:
         "detokenizer",
         "num_cached_tokens",
         "metrics",
+        "queue",
     )
 
     def __init__(
@@ -69,6 +76,7 @@ class RequestState:
         output_kind: RequestOutputKind,
         detokenizer: IncrementalDetokenizer,
         arrival_time: float,
+        queue: OutputSink | None = None,
     ) -> None:
         self.request_id = request_id
         self.external_id = external_id
@@ -78,6 +86,7 @@ class RequestState:
         self.detokenizer = detokenizer
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.queue = queue
 
     def make_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
@@ -170,8 +179,10 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        queue: OutputSink | None = None,
     ) -> None:
-        """Register a request under its internal id; raises ValueError for a live duplicate id."""
+        """Register a request under its internal id (its outputs go to `queue` too, if given);
+        raises ValueError for a live duplicate id."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already live")
         if params.stop_strings and self.tokenizer is None:
@@ -185,6 +196,7 @@ class OutputProcessor:
             params.output_kind,
             detok,
             time.monotonic() if arrival_time is None else arrival_time,
+            queue,
         )
         self._by_external.setdefault(external_id, []).append(request_id)
 
@@ -210,7 +222,8 @@ class OutputProcessor:
            string as `stop_reason`, and lists it in `reqs_to_abort` unless the engine finished it;
         4. build the output for its output kind; an id seen twice in `outputs` gets one merged
            output;
-        5. drop the state of finished requests.
+        5. drop the state of finished requests;
+        6. put each output in its request's queue, if it has one.
 
         An exception in steps 3-4 belongs to that request alone: it finishes with finish_reason
         "error" and the error text (`RequestOutput.error`), is listed in `failed` and, unless the
@@ -222,6 +235,7 @@ class OutputProcessor:
         request_outputs: dict[str, RequestOutput] = {}
         reqs_to_abort: list[str] = []
         failed: dict[str, Exception] = {}
+        queues: dict[str, OutputSink] = {}
         for eco in outputs:
             state = states.get(eco.request_id)
             if state is None:
@@ -255,6 +269,8 @@ class OutputProcessor:
                 failed[eco.request_id] = exc
                 request_outputs.pop(eco.request_id, None)  # an earlier entry's output in this list is void
             if out is not None:
+                if state.queue is not None:
+                    queues[eco.request_id] = state.queue
                 pending = request_outputs.setdefault(eco.request_id, out)
                 if pending is not out:  # the same request twice in one list
                     pending.add(out, aggregate=state.output_kind is _DELTA)
@@ -262,6 +278,8 @@ class OutputProcessor:
                 if metrics.engine_index is None:
                     metrics.engine_index = engine_index
                 self._free(state, now)
+        for rid, queue in queues.items():
+            queue.put(request_outputs[rid])
         return ProcessedOutputs(request_outputs, reqs_to_abort, failed)
 
     # ------------------------------------------------------------ aborts
@@ -274,7 +292,8 @@ class OutputProcessor:
         The final output follows the request's kind: CUMULATIVE and FINAL_ONLY carry all text and
         ids so far (held-back text included), DELTA carries only what was not sent yet. With
         `internal=False` the ids are users' external ids (every live request under each).
-        Unknown ids are ignored. Returns internal id -> final output.
+        Unknown ids are ignored. Each final output goes to the request's queue too. Returns
+        internal id -> final output.
         """
         ids = list(request_ids)
         if not internal:
@@ -290,4 +309,21 @@ class OutputProcessor:
             out = state.make_output([], FinishReason.ABORT, None)
             assert out is not None
             finals[rid] = out
+            if state.queue is not None:
+                state.queue.put(out)
+        return finals
+
+    def fail_all(self, exc: BaseException) -> dict[str, RequestOutput]:
+        """The engine is gone: every live request ends, its queue gets `exc`. Returns each one's
+        final output as an abort would build it (what it had got so far, for its log line)."""
+        now = time.monotonic()
+        finals: dict[str, RequestOutput] = {}
+        for state in list(self._states.values()):
+            self._free(state, now)
+            if state.queue is not None:
+                state.queue.put_error(exc)
+            state.detokenizer.catch_up()
+            out = state.make_output([], FinishReason.ABORT, None)
+            assert out is not None
+            finals[state.request_id] = out
         return finals
