@@ -17,7 +17,7 @@ submissions.
 
 Logs (`actor=input_processor`): "request submitted" (debug) and "request rejected" (info), each
 with the request's `request_id`, passed on the line (binding it in the context per request costs
-several times more on this hot path).
+more on this hot path).
 """
 
 from __future__ import annotations
