@@ -22,7 +22,9 @@ from troupe.sampling_params import RequestOutputKind
 
 
 def add(table: RequestTable, i: int, **kw: Any) -> Any:
-    return table.register(add_request(f"r{i}", external_id=f"u{i}", output_kind=RequestOutputKind.DELTA, **kw), None)
+    stream, _ = table.register(add_request(f"r{i}", external_id=f"u{i}", output_kind=RequestOutputKind.DELTA, **kw),
+                               None)
+    return stream
 
 
 async def test_a_10000_entry_step_is_processed_in_slices_while_others_run(tokenizer: Any) -> None:

@@ -53,7 +53,7 @@ KINDS = list(RequestOutputKind)
 # field -> (valid values, invalid values). Floats include NaN/inf, ints the int64 edges, bools where
 # numbers are expected and numbers where bools are.
 FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
-    "n": ([1], [0, 2, True, 1.0]),
+    "n": ([1], [0, True, 1.0]),  # n > 1: tests/facades/test_parallel_sampling.py
     "presence_penalty": ([0.0, 0], [0.5, -3.0, math.nan, "0"]),
     "frequency_penalty": ([0.0], [1.0, math.inf, None]),
     "repetition_penalty": ([1.0], [0.0, 1.2, math.inf, math.nan]),

@@ -182,10 +182,13 @@ class Graph(anyio.AsyncContextManagerMixin):
                                        streams.merged_recv, streams.clone(streams.from_engine_send))
             await tg.start(self._supervised, "balancer", self.balancer.run)
         self.output_handler = OutputHandler(self.table, self.stats, streams.from_engine_recv,
-                                            streams.to_engine_send.clone(), chunk_size=self.config.output_chunk_size)
+                                            streams.to_engine_send.clone(), chunk_size=self.config.output_chunk_size,
+                                            to_input=streams.clone(streams.submit_send))
         await tg.start(self._supervised, "output_handler", self.output_handler.run)
-        self.input_processor = InputProcessor(self.tokenizer, self.limits, self.table, streams.submit_recv,
-                                              streams.to_engine_send)
+        block_size = self.engines[0].ready.block_size
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.limits, self.table, streams.submit_recv, streams.to_engine_send,
+            share_prefill_tokens=block_size if self.config.enable_prefix_caching else None)
         await tg.start(self._supervised, "input_processor", self.input_processor.run)
         if self.config.engine_hang_timeout_s is not None:
             await tg.start(self._supervised, "progress_watch", self._watch_progress, False)

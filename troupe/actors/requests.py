@@ -27,6 +27,7 @@ from troupe.errors import EngineDeadError
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, UtilityResult
 from troupe.output.collector import RequestOutputCollector
+from troupe.output.parallel import fan_out
 from troupe.output.processor import OutputProcessor
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind
@@ -122,24 +123,46 @@ class RequestTable:
 
     # ------------------------------------------------------------ request lifecycle
 
-    def register(self, req: AddRequest, prompt_text: str | None) -> RequestStream:
+    def register(self, req: AddRequest, prompt_text: str | None, *,
+                 share_prefill_tokens: int | None = None) -> tuple[RequestStream, list[AddRequest]]:
+        """Register a request; returns its stream and what to send to the engine now. With n > 1 the
+        request is a parent of n children (troupe.output.parallel): one stream, and the children to
+        send; when the prompt has at least `share_prefill_tokens` tokens (a KV block; None: no
+        prefix cache), only child 0 goes now and the others wait for its prefill (`take_held`)."""
         if self.dead_error is not None:
             raise self.dead_error
         if not self.processor.has_unfinished_requests():  # work after idleness: the engine's clock starts now
             self.busy_since = time.monotonic()
         stream = RequestStream(req.request_id, req.external_id, req.params.output_kind)
-        self.processor.add_request(req.request_id, req.external_id, prompt_text, req.prompt_token_ids,
-                                   req.params, queue=stream)
-        return stream
+        if req.params.n == 1:
+            self.processor.add_request(req.request_id, req.external_id, prompt_text, req.prompt_token_ids,
+                                       req.params, queue=stream)
+            return stream, [req]
+        children = fan_out(req)
+        parent = self.processor.add_parent(req.request_id, req.external_id, req.params.n, req.params.output_kind,
+                                           queue=stream)
+        for i, child in enumerate(children):
+            self.processor.add_request(child.request_id, child.external_id, prompt_text, child.prompt_token_ids,
+                                       child.params, parent=parent, index=i)
+        if share_prefill_tokens is not None and len(req.prompt_token_ids) >= share_prefill_tokens:
+            parent.held = children[1:]
+            return stream, children[:1]
+        return stream, children
 
-    def process_slice(self, outputs: list[EngineCoreOutput], engine_index: int | None = None) -> list[str]:
+    def take_held(self, parent_id: str) -> list[AddRequest]:
+        """n > 1: the children held back for the parent's shared prefill that are still live."""
+        return self.processor.take_held(parent_id)
+
+    def process_slice(self, outputs: list[EngineCoreOutput],
+                      engine_index: int | None = None) -> tuple[list[str], list[str]]:
         """Deliver one slice of the outputs of engine `engine_index` (the processor puts each in its
-        request's stream); returns ids the engine must abort (stop strings, and requests whose output
-        processing failed). Logs the canonical line of each request that finished, with `error=` for
-        one that failed (in the engine or here)."""
+        request's stream); returns (ids the engine must abort: stop strings, and requests whose
+        output processing failed; n > 1 parents whose held children may go now: `take_held`). Logs
+        the canonical line of each request that finished, with `error=` for one that failed (in the
+        engine or here)."""
         processed = self.processor.process_outputs(outputs, engine_index=engine_index)
-        for rid, exc in processed.failed.items():
-            log.error("request failed", request_id=processed.request_outputs[rid].request_id, internal_id=rid,
+        for rid, (external_id, exc) in processed.failed.items():
+            log.error("request failed", request_id=external_id, internal_id=rid,
                       error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         for rid, out in processed.request_outputs.items():
             if out.finished:
@@ -147,7 +170,7 @@ class RequestTable:
                     log_finished(out, rid, error=out.error)
                 else:
                     log_finished(out, rid)
-        return list(processed.reqs_to_abort)
+        return list(processed.reqs_to_abort), processed.release
 
     def internal_ids(self, request_ids: str | Iterable[str]) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -157,12 +180,14 @@ class RequestTable:
         return list(self.processor.request_ids())
 
     def abort(self, internal_ids: Iterable[str]) -> list[str]:
-        """Finish these requests with finish_reason 'abort'; returns those that were live."""
-        finals = self.processor.abort_requests(internal_ids)
+        """Finish these requests with finish_reason 'abort' (a parent's id: all its children);
+        returns the live ones the engine knows (children for a parent)."""
+        live = self.processor.engine_ids(internal_ids)
+        finals = self.processor.abort_requests(live)
         extra = {} if "actor" in structlog.contextvars.get_contextvars() else {"actor": "frontend"}
         for rid, final in finals.items():
             log_finished(final, rid, **extra)
-        return list(finals)
+        return live
 
     def fail_all(self, reason: str, cause: BaseException | None = None) -> EngineDeadError:
         """The engine is gone: every live and every future request gets `EngineDeadError`."""
