@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from troupe.actors.dp_balancer import DPBalancer
 from troupe.actors.engine_side import EngineSide, make_engine_side
@@ -49,54 +49,16 @@ from troupe.actors.input_processor import FrontendInput, InputProcessor
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
 from troupe.actors.stats_logger import StatsLogger
+from troupe.actors.streams import GraphStreams, TokenizerPrefetch
 from troupe.config import EngineConfig
 from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineStartupError, first_startup_error
 from troupe.inputs import ModelLimits
-from troupe.messages import EngineInput, EngineOutput
-from troupe.models.loader import load_tokenizer, resolve_model_path
 from troupe.testing import faults
 
 log = structlog.get_logger("troupe.graph")
 GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its caller's task, whose
 # context is the caller's own (and a module-level `bind` would freeze the logging configuration)
-
-STREAM_BUFFER = 64
-
-
-class _Streams:
-    """Every stream of the graph, bounded, created in one place; each task gets its own clone of a
-    shared end. With several engines the balancer sits between: frontend -> balancer -> engine r,
-    engines -> balancer -> output handler; with one, the frontend talks to the engine directly.
-    Every end is closed when the graph ends (`ends`), also those an actor never got to."""
-
-    def __init__(self, num_engines: int, ends: contextlib.ExitStack) -> None:
-        self.to_engine_send, self.to_engine_recv = anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
-        self.from_engine_send, self.from_engine_recv = anyio.create_memory_object_stream[EngineOutput](STREAM_BUFFER)
-        self.submit_send, self.submit_recv = anyio.create_memory_object_stream[FrontendInput](STREAM_BUFFER)
-        self.per_engine = [anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
-                           for _ in range(num_engines)] if num_engines > 1 else []
-        self.merged_send, self.merged_recv = anyio.create_memory_object_stream[EngineOutput](STREAM_BUFFER)
-        self._ends = ends
-        for end in (self.to_engine_send, self.to_engine_recv, self.from_engine_send, self.from_engine_recv,
-                    self.submit_send, self.submit_recv, self.merged_send, self.merged_recv,
-                    *(e for pair in self.per_engine for e in pair)):
-            ends.enter_context(end)
-
-    def clone(self, end: Any) -> Any:
-        """A clone of `end`, closed with the graph if its user never closes it."""
-        return self._ends.enter_context(end.clone())
-
-    def engine_ends(self) -> list[tuple[MemoryObjectReceiveStream[EngineInput], MemoryObjectSendStream[EngineOutput]]]:
-        """(inbox, outbox) of each engine side. The engines hold clones of the outbox: the stream
-        towards the frontend ends when the last engine stops."""
-        if self.per_engine:
-            inboxes, outbox = [recv for _, recv in self.per_engine], self.merged_send
-        else:
-            inboxes, outbox = [self.to_engine_recv], self.from_engine_send
-        pairs = [(inbox, self.clone(outbox)) for inbox in inboxes]
-        outbox.close()
-        return pairs
 
 
 class Graph(anyio.AsyncContextManagerMixin):
@@ -130,7 +92,7 @@ class Graph(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Graph]:
         with contextlib.ExitStack() as ends:
-            streams = _Streams(self.config.data_parallel_size, ends)
+            streams = GraphStreams(self.config.data_parallel_size, ends)
             async with anyio.create_task_group() as tg:
                 await self._start_engines(tg, streams)
                 await self._start_frontend(tg, streams)
@@ -148,12 +110,12 @@ class Graph(anyio.AsyncContextManagerMixin):
                     streams.submit_send.close()
                     tg.cancel_scope.cancel()
 
-    async def _start_engines(self, tg: TaskGroup, streams: _Streams) -> None:
+    async def _start_engines(self, tg: TaskGroup, streams: GraphStreams) -> None:
         """Step 2: every engine side at once (each loads its model: they decide the limits the
         frontend checks against), the tokenizer meanwhile; the first start-up failure is raised."""
         self.engines = [make_engine_side(self.config, inbox, outbox, make_core=self._make_core, engine_index=rank)
                         for rank, (inbox, outbox) in enumerate(streams.engine_ends())]
-        tokenizer = _TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
+        tokenizer = TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
         tg.start_soon(tokenizer.load, self.config.model)
         several = len(self.engines) > 1
 
@@ -173,7 +135,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         faults.install_frontend(self.table.processor, self.config.fault_injection)  # test-only
         self.limits = _group_limits([side.ready for side in self.engines])
 
-    async def _start_frontend(self, tg: TaskGroup, streams: _Streams) -> None:
+    async def _start_frontend(self, tg: TaskGroup, streams: GraphStreams) -> None:
         """Step 3: the balancer (several engines), the output handler, the input processor, then the
         optional observers."""
         assert self.limits is not None
@@ -249,37 +211,6 @@ class Graph(anyio.AsyncContextManagerMixin):
                 log.info("engine progressing again", actor=GRAPH)
 
 
-class _TokenizerPrefetch:
-    """Loads the tokenizer while the engine starts; `get(path)` falls back to loading from the
-    folder the engine reports if the prefetch failed or resolved another folder."""
-
-    def __init__(self) -> None:
-        self._done = anyio.Event()
-        self._path: str | None = None
-        self._model = ""
-        self._tokenizer: Any = None
-
-    async def load(self, model: str) -> None:
-        self._model = model
-        try:
-            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model,
-                                                                         abandon_on_cancel=True)
-        except Exception:  # the engine reports the real problem (or get() raises it again)
-            pass
-        finally:
-            self._done.set()
-
-    async def get(self, model_path: str | None) -> Any:
-        """The tokenizer of `model_path` (None: the engines are all remote, whose paths are theirs:
-        the folder this host resolves for the model)."""
-        await self._done.wait()
-        if self._tokenizer is not None and model_path in (self._path, None):
-            return self._tokenizer
-        if model_path is None:
-            raise EngineStartupError(f"the tokenizer of {self._model!r} could not be loaded on this host")
-        return await anyio.to_thread.run_sync(load_tokenizer, model_path)
-
-
 def _group_limits(readies: list[EngineReady]) -> ModelLimits:
     """What the frontend checks requests against: the engines must serve the same model."""
     first = readies[0].limits
@@ -293,11 +224,6 @@ def _group_limits(readies: list[EngineReady]) -> ModelLimits:
     capacities = [r.limits.kv_capacity_tokens for r in readies if r.limits.kv_capacity_tokens is not None]
     return dataclasses.replace(first, data_parallel_size=len(readies),
                                kv_capacity_tokens=min(capacities) if capacities else None)
-
-
-def _resolve_and_load(model: str) -> tuple[str, Any]:
-    path = str(resolve_model_path(model))
-    return path, load_tokenizer(path)
 
 
 T = TypeVar("T")

@@ -202,17 +202,7 @@ class OutputProcessor:
             if state is None:
                 continue
             new_ids = eco.new_token_ids
-            metrics = state.metrics
-            if new_ids:
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                    metrics.engine_index = engine_index
-                metrics.last_token_time = now
-                metrics.num_generation_tokens += len(new_ids)
-            if eco.num_cached_tokens:
-                state.num_cached_tokens = eco.num_cached_tokens
-            if eco.num_preemptions:
-                metrics.num_preemptions = eco.num_preemptions
+            state.record(eco, now, engine_index)
             finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
             try:  # this request's own failure (detokenizer, stop strings) fails it alone
@@ -232,8 +222,8 @@ class OutputProcessor:
                     request_outputs.pop(eco.request_id, None)  # an earlier entry's output in this list is void
             finished = finish_reason is not None
             if finished:
-                if metrics.engine_index is None:
-                    metrics.engine_index = engine_index
+                if state.metrics.engine_index is None:
+                    state.metrics.engine_index = engine_index
                 self._free(state, now)
             parent = state.parent
             if parent is not None and parent.held and not parent.released:

@@ -4,7 +4,7 @@ makes after each engine step. Owned by the `OutputProcessor` (troupe.output.proc
 
 from __future__ import annotations
 
-from troupe.messages import FinishReason
+from troupe.messages import EngineCoreOutput, FinishReason
 from troupe.output.collector import OutputSink
 from troupe.output.detokenizer import IncrementalDetokenizer
 from troupe.output.parallel import ParentRequest
@@ -57,6 +57,20 @@ class RequestState:
         self.queue = queue
         self.index = index  # the sample number (n > 1: the child's index)
         self.parent = parent
+
+    def record(self, eco: EngineCoreOutput, now: float, engine_index: int | None) -> None:
+        """Timing, token counts, prefix-cache hits and preemptions of one engine output."""
+        metrics = self.metrics
+        if eco.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.engine_index = engine_index
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += len(eco.new_token_ids)
+        if eco.num_cached_tokens:
+            self.num_cached_tokens = eco.num_cached_tokens
+        if eco.num_preemptions:
+            metrics.num_preemptions = eco.num_preemptions
 
     def make_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
