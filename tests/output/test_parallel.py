@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from factories import add_request
 
+from troupe.actors.requests import RequestTable
 from troupe.messages import EngineCoreOutput, FinishReason
 from troupe.output.collector import RequestOutputCollector
 from troupe.output.parallel import fan_out
@@ -151,3 +152,14 @@ def test_n_above_one_with_greedy_sampling_is_refused() -> None:
     with pytest.raises(ValueError, match="n"):
         SamplingParams(n=2, temperature=0.0)
     assert SamplingParams(n=2, temperature=0.5).n == 2
+
+
+def test_a_parent_whose_children_cannot_all_register_leaves_nothing_behind() -> None:
+    """Stop strings without a tokenizer are refused on the first child: the request is rejected and
+    neither the parent nor any child stays registered."""
+    table = RequestTable(tokenizer=None)
+    with pytest.raises(ValueError, match="stop"):
+        table.register(add_request("p", n=2, temperature=1.0, stop=["x"]), None)
+    assert table.num_unfinished == 0 and table.processor.engine_ids(["p"]) == []
+    stream, to_send = table.register(add_request("p", n=2, temperature=1.0), None)
+    assert [r.request_id for r in to_send] == ["0_p", "1_p"]  # a prompt shorter than a block: no hold

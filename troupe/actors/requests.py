@@ -141,9 +141,13 @@ class RequestTable:
         children = fan_out(req)
         parent = self.processor.add_parent(req.request_id, req.external_id, req.params.n, req.params.output_kind,
                                            queue=stream)
-        for i, child in enumerate(children):
-            self.processor.add_request(child.request_id, child.external_id, prompt_text, child.prompt_token_ids,
-                                       child.params, parent=parent, index=i)
+        try:
+            for i, child in enumerate(children):
+                self.processor.add_request(child.request_id, child.external_id, prompt_text, child.prompt_token_ids,
+                                           child.params, parent=parent, index=i)
+        except BaseException:
+            self.processor.discard_parent(req.request_id)
+            raise
         if share_prefill_tokens is not None and len(req.prompt_token_ids) >= share_prefill_tokens:
             parent.held = children[1:]
             return stream, children[:1]

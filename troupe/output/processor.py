@@ -101,6 +101,15 @@ class OutputProcessor:
         self._parents[request_id] = parent
         return parent
 
+    def discard_parent(self, parent_id: str) -> None:
+        """Forget a parent whose registration failed half-way: its children's states go, nothing is
+        delivered."""
+        parent = self._parents.pop(parent_id, None)
+        if parent is not None:
+            for cid in (child_id(i, parent_id) for i in range(parent.n)):
+                if cid in self._states:
+                    self._free(self._states[cid], time.monotonic())
+
     def take_held(self, parent_id: str) -> list[AddRequest]:
         """The held children of `parent_id` that are still live, pinned to the engine of child 0
         (unless the user pinned a rank); they count as sent from now on."""
