@@ -50,9 +50,11 @@ async def test_a_crashing_observer_is_logged_and_the_graph_goes_on(tiny_llama: P
             raise RuntimeError("bug in the progress watch")
 
         monkeypatch.setattr(Graph, "_watch_progress", crashing_watch)
+    # built before capture_logs: AsyncLLM configures troupe's logging, which capture_logs then restores
+    engine = AsyncLLM(str(tiny_llama), multiprocess=False, log_stats_interval_s=0.05, engine_hang_timeout_s=30,
+                      **TINY_ENGINE)
     with capture_logs() as logs, anyio.fail_after(60):
-        async with AsyncLLM(str(tiny_llama), multiprocess=False, log_stats_interval_s=0.05,
-                            engine_hang_timeout_s=30, **TINY_ENGINE) as llm:
+        async with engine as llm:
             await crashed.wait()
             outs = [o async for o in llm.generate({"prompt_token_ids": [1, 2, 3]}, PARAMS)]
             await llm.check_health()
@@ -71,8 +73,9 @@ async def test_a_crashing_essential_actor_fails_every_request(tiny_llama: Path,
         raise RuntimeError("bug in the output handler")
 
     monkeypatch.setattr(OutputHandler, "_process", boom)
+    engine = AsyncLLM(str(tiny_llama), multiprocess=False, **TINY_ENGINE)  # before capture_logs, as above
     with capture_logs() as logs, anyio.fail_after(60):
-        async with AsyncLLM(str(tiny_llama), multiprocess=False, **TINY_ENGINE) as llm:
+        async with engine as llm:
             with pytest.raises(EngineDeadError, match="output_handler crashed: RuntimeError: bug in the output handler"):
                 async for _ in llm.generate({"prompt_token_ids": [1, 2, 3]}, PARAMS):
                     pass
