@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from troupe.bench import harness
 from troupe.bench.engines import default_troupe_configs, parse_troupe_config
 
@@ -19,6 +21,8 @@ SMALL = ["--num-prompts", "4", "--min-len", "8", "--max-len", "24", "--max-token
          "--serve-max-tokens", "8", "--serve-prompt-words", "10", "--threads", "1"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # every engine and a server in their own processes
 def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path) -> None:
     """Every part runs for troupe (two configurations) and transformers; the peers given as missing pythons
     are skipped with notes; the JSON holds positive medians for each measured metric and the ratios of

