@@ -36,12 +36,6 @@ class ModelLimits:
     priority_scheduling: bool = False  # the engine honours `priority` (scheduling_policy="priority")
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessedPrompt:
-    prompt_text: str | None
-    prompt_token_ids: list[int]
-
-
 def make_request_id(external_id: str) -> str:
     """A unique internal id; user ids may repeat."""
     return f"{external_id}-{uuid.uuid4().hex[:8]}"

@@ -1,6 +1,6 @@
 """What a user gets back: `RequestOutput` holding one `CompletionOutput` per sample.
 
-Follows vLLM's `vllm/outputs.py` (see `shared/reference/vllm-semantics.md` §1.5, §1.6):
+Follows vLLM's `vllm/outputs.py`:
 
 - `RequestOutput.request_id` is the user's *external* id; the engine works on internal ids.
 - `CompletionOutput.text` / `.token_ids` are either everything so far (CUMULATIVE, FINAL_ONLY) or

@@ -3,7 +3,7 @@
 Fields, defaults and validation follow vLLM's `SamplingParams` (see
 `shared/reference/vllm-semantics.md` §1.4). Validation runs at construction, so a bad value raises
 `InvalidInputError` (a `ValueError`) naming the field and the allowed range before anything reaches
-the engine. Features the engine does not implement yet (n > 1, logprobs, penalties) are rejected,
+the engine. Features the engine does not implement yet (logprobs, penalties) are rejected,
 never silently ignored.
 """
 
@@ -87,8 +87,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             return InvalidInputError(field, message)
 
         _integer("n", self.n, 1, INT64_MAX)
-        if self.n != 1:
-            raise bad("n", f"n > 1 is not supported yet by troupe (got {self.n})")
+        if self.n > 1 and self.temperature < _GREEDY_EPS:
+            raise bad("n", f"must be 1 with greedy sampling (temperature 0): the {self.n} samples would be equal")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

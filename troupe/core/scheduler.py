@@ -2,8 +2,7 @@
 
 One rule drives everything: each request catches `num_computed_tokens` up to `num_tokens` within a
 per-step token budget. That gives chunked prefill, prefix caching, recompute preemption and
-continuous batching without separate prefill and decode phases. See
-`shared/reference/vllm-semantics.md` §2.10.
+continuous batching without separate prefill and decode phases.
 """
 
 from __future__ import annotations
