@@ -37,12 +37,6 @@ class ModelLimits:
     max_logprobs: int = 20  # EngineConfig.max_logprobs: -1 allows the whole vocabulary
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessedPrompt:
-    prompt_text: str | None
-    prompt_token_ids: list[int]
-
-
 def make_request_id(external_id: str) -> str:
     """A unique internal id; user ids may repeat."""
     return f"{external_id}-{uuid.uuid4().hex[:8]}"

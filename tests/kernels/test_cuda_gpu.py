@@ -23,7 +23,6 @@ from troupe.kernels.cuda.norm import (
     rms_norm_reference,
 )
 from troupe.kernels.cuda.rotary import cos_sin_table, rotary_embedding, rotary_embedding_reference
-from troupe.kernels.cuda.sampling import DeviceSampler
 from troupe.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -192,5 +191,5 @@ def test_sampling_on_gpu_matches_cpu_sampler() -> None:
     ours = Sampler._probs(chosen, logits[random_rows].to(CUDA), logits.shape[1]).cpu()
     theirs = Sampler._probs(chosen, logits[random_rows].clone(), logits.shape[1])
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
-    on_gpu = DeviceSampler(seed=9).sample(logits.to(CUDA), rows())
+    on_gpu = Sampler(seed=9).sample(logits.to(CUDA), rows())
     assert on_gpu.token_ids == Sampler(seed=9).sample(logits.clone(), rows()).token_ids

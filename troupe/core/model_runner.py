@@ -104,8 +104,7 @@ class ModelRunner:
     def _size_gpu_pool(self, config: EngineConfig, spec: KVSpec) -> int:
         """Blocks for the pool on the GPU: profile the largest step on a throw-away pool, then what
         `gpu_memory_utilization` leaves (unless `num_kv_blocks` / `kv_cache_memory_bytes` say)."""
-        from troupe.core.sampler import SamplingRow
-        from troupe.kernels.cuda.sampling import DeviceSampler
+        from troupe.core.sampler import Sampler, SamplingRow
         from troupe.sampling_params import SamplingParams
 
         seqs = gpu_memory.profile_seqs(config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
@@ -116,7 +115,7 @@ class ModelRunner:
         model_bytes = torch.cuda.memory_allocated() - scratch_bytes  # weights, rope table, step buffers
         rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None) for _ in seqs]
         activations = gpu_memory.profile_peak(lambda: self.execute(seqs),
-                                              lambda logits: DeviceSampler().sample(logits, rows))
+                                              lambda logits: Sampler().sample(logits, rows))
         self.kv_caches = []
         total, other = gpu_memory.device_usage()
         tokens = sum(len(s.token_ids) for s in seqs)

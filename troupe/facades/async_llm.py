@@ -25,11 +25,11 @@ from typing import Any
 
 import anyio
 
-from troupe.actors.engine_side import MakeCore
 from troupe.actors.graph import Graph
 from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
+from troupe.engine.build import MakeCore
 from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, single_error
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
@@ -96,7 +96,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         if self.errored:
             raise self.dead_error
         timeout = self.config.engine_hang_timeout_s
-        if self._graph is not None and self._graph.table is not None and timeout is not None:
+        if self._graph is not None and timeout is not None:
             stalled, _ = self._graph.stalled_for()
             if stalled > timeout:
                 raise EngineHungError(stalled, self._graph.table.num_unfinished, timeout)
@@ -112,7 +112,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
     @property
     def engine_stats(self) -> dict[int, SchedulerStats]:
         """The latest scheduler stats each engine published with its outputs, by engine index."""
-        return dict(self._graph.table.engine_stats) if self._graph else {}
+        return dict(self._graph.stats.latest) if self._graph else {}
 
     @property
     def num_unfinished_requests(self) -> int:

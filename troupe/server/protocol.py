@@ -215,8 +215,10 @@ def _none_or_empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
 
-# field -> is its value neutral? (n and the penalties are checked by SamplingParams itself)
+# field -> is its value neutral? (the penalties are checked by SamplingParams itself; n > 1 runs in the
+# engine, but the responses do not carry n choices yet)
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v == 1,
     "logit_bias": _none_or_empty,
     "best_of": lambda v: v is None or v == 1,
     "echo": lambda v: v is False,

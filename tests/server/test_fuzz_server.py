@@ -1,0 +1,197 @@
+"""`troupe serve` fuzzed against its own OpenAPI document with schemathesis (the real default model).
+
+One real server (`troupe serve`, the default model, its engine in its own process, on loopback)
+serves the module. Its `/openapi.json` is loaded as published; schemathesis draws requests for
+every operation from it: bodies that fit the schema (positive) and bodies that break it
+(negative: wrong types, missing or unknown fields, wrong content). Generation stays cheap: any
+`max_tokens` / `max_completion_tokens` is capped at `MAX_TOKENS` before the call (a chat without
+one gets it), which changes no case's validity since the schema puts no bound on them.
+
+For every response: schemathesis' conformance checks (a documented status, content type and
+headers; a body that matches the documented schema); no 5xx at all (a 503 would mean the engine
+died, a 500 a request failing on its own, neither of which a client can cause); every 4xx an
+OpenAI error body `{"error": {"message", "type", "param", "code"}}`, whose `param` is set for a
+400 about a body that was a JSON object. `/health` stays 200 (checked every `HEALTH_EVERY` cases and
+at the end) and the engine never dies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from server_process import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # hundreds of requests to a real server
+
+MAX_TOKENS = 8
+EXAMPLES = 400
+HEALTH_EVERY = 25
+CHECKS = [status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with ServerProcess(["--max-model-len", "256"], tmp_path_factory.mktemp("fuzz-server")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def schema(server: ServerProcess) -> Any:
+    raw = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    loaded = schemathesis.openapi.from_dict(raw)
+    loaded.config.update(base_url=server.url)
+    return loaded
+
+
+def test_the_document_covers_every_route(server: ServerProcess) -> None:
+    """/openapi.json is an OpenAPI 3.1 document of every route, with the request and response
+    schemas (strict request bodies) and an OpenAI error body for every error status."""
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    assert doc["openapi"].startswith("3.1")
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                                 "/v1/models", "/version", "/health", "/metrics", "/openapi.json"}
+    schemas = doc["components"]["schemas"]
+    assert schemas["CompletionRequest"]["additionalProperties"] is False
+    assert "max_tokens" in schemas["CompletionRequest"]["properties"]
+    assert set(schemas["ErrorInfo"]["required"]) == {"message", "type", "param", "code"}
+    post = doc["paths"]["/v1/completions"]["post"]
+    assert post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+
+
+def cap_tokens(case: Any) -> None:
+    """Keep generation short: cap what the schema leaves unbounded (see the module docstring)."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
+            body[key] = MAX_TOKENS
+    if case.path in ("/v1/chat/completions", "/v1/completions"):
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = MAX_TOKENS
+
+
+def check_error_body(case: Any, resp: Any) -> None:
+    """Every 4xx: an OpenAI error body; a 400 about a JSON-object body names the field."""
+    if not 400 <= resp.status_code < 500:
+        return
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    sent_json = "application/json" in resp.request.headers.get("content-type", "")
+    if resp.status_code == 400 and sent_json and isinstance(case.body, dict) and "not valid JSON" not in error["message"]:
+        param = error["param"]
+        assert isinstance(param, str) and (param or "" in case.body), error
+
+
+class Tally:
+    cases = 0
+    by_mode: dict[str, int] = {}
+    by_status: dict[int, int] = {}
+    by_path: dict[str, int] = {}
+
+
+# Fields troupe accepts only at their neutral value (a 400 otherwise), the model name (a 404 unless
+# it is the served one) and priority (a 400 unless 0 under fcfs).
+ONLY_NEUTRAL = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "best_of",
+                "echo", "suffix", "logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                "response_format", "modalities", "audio", "reasoning_effort", "prediction", "store",
+                "service_tier", "priority", "model")
+
+
+VOCAB = 49152
+ROLES = ("system", "developer", "user", "assistant")
+
+
+MESSAGE_EXTRAS = ("name", "refusal", "annotations", "audio", "function_call", "tool_calls", "tool_call_id")
+
+
+def _ints(value: Any) -> Any:
+    """Integral floats as ints, all the way down: JSON Schema calls 448.0 an integer, the server
+    (strict, as documented) does not."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    return value
+
+
+def steer(case: Any, data: st.DataObject) -> None:
+    """Steer a positive case towards acceptance where the schema cannot say what is accepted
+    (each step but the first with probability 1/2): integral floats as ints; drop the fields
+    above; token ids into the vocabulary; chat messages to plain text ones of a known role."""
+    if not isinstance(case.body, dict):
+        return
+    body = case.body = _ints(case.body)
+    for key in ONLY_NEUTRAL:
+        if key in body and data.draw(st.booleans(), label=f"drop {key}"):
+            del body[key]
+    for key in ("prompt", "tokens"):
+        value = body.get(key)
+        if isinstance(value, list) and data.draw(st.booleans(), label=f"{key} in vocab"):
+            body[key] = [[t % VOCAB for t in x] if isinstance(x, list) else x % VOCAB if isinstance(x, int) else x
+                         for x in value]
+    messages = body.get("messages")
+    if isinstance(messages, list) and data.draw(st.booleans(), label="plain messages"):
+        for m in messages:
+            if isinstance(m, dict):
+                if m.get("role") not in ROLES:
+                    m["role"] = "user"
+                if not isinstance(m.get("content"), str):
+                    m["content"] = "Hi!"
+                for key in MESSAGE_EXTRAS:
+                    m.pop(key, None)
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, print_blob=True,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def _fuzz(server: ServerProcess, strategies: dict[GenerationMode, Any], data: st.DataObject) -> None:
+    mode = data.draw(st.sampled_from([GenerationMode.POSITIVE, GenerationMode.POSITIVE, GenerationMode.NEGATIVE]))
+    case = data.draw(strategies[mode], label="case")
+    if mode is GenerationMode.POSITIVE:
+        steer(case, data)
+    cap_tokens(case)
+    Tally.by_mode[mode.value] = Tally.by_mode.get(mode.value, 0) + 1
+    resp = case.call(base_url=server.url, timeout=120)
+    Tally.cases += 1
+    Tally.by_status[resp.status_code] = Tally.by_status.get(resp.status_code, 0) + 1
+    Tally.by_path[case.path] = Tally.by_path.get(case.path, 0) + 1
+    assert resp.status_code < 500, (resp.status_code, resp.text, case.body)
+    check_error_body(case, resp)
+    case.validate_response(resp, checks=CHECKS)
+    if Tally.cases % HEALTH_EVERY == 0:
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_schemathesis_finds_no_5xx_and_no_engine_death(server: ServerProcess, schema: Any) -> None:
+    """EXAMPLES cases drawn from the published document, positive and negative, on every
+    operation: each passes the checks in the module docstring; the engine is alive at the end."""
+    started = time.monotonic()
+    _fuzz(server, {mode: schema.as_strategy(generation_mode=mode) for mode in GenerationMode})
+    print(f"\nschemathesis: {Tally.cases} cases ({Tally.by_mode}) in {time.monotonic() - started:.1f} s, "
+          f"statuses {Tally.by_status}, paths {Tally.by_path}")
+    assert Tally.cases >= EXAMPLES * 0.9
+    assert all(n for n in Tally.by_path.values()) and len(Tally.by_path) >= 8, Tally.by_path
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert server.proc is not None and server.proc.poll() is None
