@@ -26,7 +26,9 @@ from troupe.outputs import CompletionOutput, RequestOutput
 from troupe.sampling_params import SamplingParams
 from troupe.server.app import build_app
 from troupe.server.errors import to_api_error
-from troupe.server.protocol import ChatCompletionRequest, CompletionRequest, reject_unsupported
+from troupe.server.chat import ChatCompletionRequest
+from troupe.server.fields import reject_unsupported
+from troupe.server.protocol import CompletionRequest
 from troupe.server.state import ServerSettings
 
 pytestmark = pytest.mark.anyio
@@ -35,6 +37,19 @@ pytestmark = pytest.mark.anyio
 def delta(text: str, token: int, finish: str | None = None) -> RequestOutput:
     return RequestOutput("r", text, [1, 2, 3], [CompletionOutput(0, text, [token], finish_reason=finish)],
                          finished=finish is not None)
+
+
+class FakeTokenizer:
+    """One token per character; the chat template joins the messages' contents."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        return "".join(str(m["content"]) for m in messages)
 
 
 class FakeEngine:
@@ -66,8 +81,11 @@ class FakeEngine:
         if self.dead:
             raise self.dead_error
 
+    max_model_len = 2048
+    generation_defaults: dict[str, Any] = {}
+
     def get_tokenizer(self) -> Any:
-        raise NotImplementedError
+        return FakeTokenizer()
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
         self.aborted.extend([request_id] if isinstance(request_id, str) else request_id)
@@ -88,10 +106,6 @@ class FakeEngine:
             if not finished:
                 self.closed.append(str(request_id))
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, *, add_generation_prompt: bool = True,
-             priority: int = 0) -> AsyncGenerator[RequestOutput]:
-        return self.generate("", sampling_params, request_id, priority=priority)
 
 
 def make_app(engine: FakeEngine) -> Starlette:
@@ -237,17 +251,21 @@ async def test_draining_refuses_new_work_and_abort_all_ends_streams() -> None:
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
 
 
+_CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
-    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "cache_salt": "salt"}, "cache_salt"),
+    ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({**_CHAT, "store": True}, "store"),
+    ({**_CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ({**_CHAT, "functions": [{"name": "f"}]}, "functions"),
 ])
 def test_unsupported_values_are_named(body: dict[str, Any], param: str) -> None:
-    """A non-neutral value of a field troupe does not implement is a 400 naming that field."""
+    """A non-neutral value of a field troupe knows but cannot honour is a 400 naming that field."""
     kind = ChatCompletionRequest if "messages" in body else CompletionRequest
     with pytest.raises(Exception) as err:
         reject_unsupported(msgspec.convert(body, kind))
@@ -256,13 +274,14 @@ def test_unsupported_values_are_named(body: dict[str, Any], param: str) -> None:
 
 
 @pytest.mark.parametrize("body", [
-    {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "user": "u"},
-    {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
-     "top_logprobs": 0, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
+    {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "user": "u",
+     "use_beam_search": False, "length_penalty": 1.0, "vllm_xargs": {}, "stream_interval": 1},
+    {**_CHAT, "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+     "top_logprobs": 0, "store": False, "service_tier": "auto", "parallel_tool_calls": True, "modalities": ["text"]},
 ])
 def test_neutral_values_are_accepted(body: dict[str, Any]) -> None:
-    """Clients that send OpenAI's defaults explicitly are served."""
+    """Clients that send OpenAI's and vLLM's defaults explicitly are served."""
     kind = ChatCompletionRequest if "messages" in body else CompletionRequest
     req = msgspec.convert(body, kind)
     reject_unsupported(req)
-    req.sampling_params()
+    req.sampling_params({})
