@@ -25,8 +25,8 @@ from troupe.messages import SchedulerStats
 from troupe.outputs import CompletionOutput, RequestOutput
 from troupe.sampling_params import SamplingParams
 from troupe.server.app import build_app
-from troupe.server.errors import to_api_error
 from troupe.server.chat import ChatCompletionRequest
+from troupe.server.errors import to_api_error
 from troupe.server.fields import reject_unsupported
 from troupe.server.protocol import CompletionRequest
 from troupe.server.state import ServerSettings
@@ -40,7 +40,9 @@ def delta(text: str, token: int, finish: str | None = None) -> RequestOutput:
 
 
 class FakeTokenizer:
-    """One token per character; the chat template joins the messages' contents."""
+    """One token per character; the chat template joins the messages' contents and records what it got."""
+
+    rendered: list[tuple[list[Any], dict[str, Any]]] = []  # (messages, keyword arguments) of each render
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [ord(ch) for ch in text]}
@@ -49,6 +51,7 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        FakeTokenizer.rendered.append((list(messages), kwargs))
         return "".join(str(m["content"]) for m in messages)
 
 
@@ -64,6 +67,8 @@ class FakeEngine:
         self.started = anyio.Event()
         self.closed: list[str] = []
         self.aborted: list[str] = []
+        self.calls: list[tuple[str | Mapping[str, Any], SamplingParams | None]] = []  # (prompt, params) submitted
+        self.generation_defaults: dict[str, Any] = {}
 
     @property
     def errored(self) -> bool:
@@ -82,7 +87,6 @@ class FakeEngine:
             raise self.dead_error
 
     max_model_len = 2048
-    generation_defaults: dict[str, Any] = {}
 
     def get_tokenizer(self) -> Any:
         return FakeTokenizer()
@@ -93,6 +97,7 @@ class FakeEngine:
     async def generate(self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput]:
         finished = False
+        self.calls.append((prompt, sampling_params))
         try:
             for i, item in enumerate(self.script):
                 if self.block_after is not None and i == self.block_after:

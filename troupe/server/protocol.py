@@ -81,7 +81,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     user: str | None = None  # for abuse monitoring at OpenAI; accepted and not used
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias, clamped to [-100, 100] as vLLM
     response_format: ResponseFormat | None = None
     # vLLM extras
     top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
@@ -224,7 +224,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         out = {}
         for key, bias in self.logit_bias.items():
             try:
-                out[int(key)] = bias
+                out[int(key)] = min(100.0, max(-100.0, bias))
             except ValueError:
                 raise bad_request("logit_bias", f"keys must be token ids, got {key!r}") from None
         return out
