@@ -39,16 +39,16 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from troupe.actors.dp_balancer import DPBalancer
-from troupe.actors.engine_side import EngineSide, MakeCore, make_engine_side
+from troupe.actors.engine_side import EngineSide, make_engine_side
 from troupe.actors.input_processor import FrontendInput, InputProcessor
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
 from troupe.config import EngineConfig
+from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineStartupError, first_startup_error
 from troupe.inputs import ModelLimits
 from troupe.messages import EngineInput, EngineOutput, SchedulerStats
 from troupe.models.loader import load_tokenizer, resolve_model_path
-from troupe.process.protocol import EngineReady
 from troupe.testing import faults
 
 log = structlog.get_logger("troupe.graph")

@@ -25,11 +25,11 @@ from typing import Any
 
 import anyio
 
-from troupe.actors.engine_side import MakeCore
 from troupe.actors.graph import Graph
 from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
+from troupe.engine.build import MakeCore
 from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, single_error
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from troupe.core.sampler import SamplingRow
+if TYPE_CHECKING:
+    from troupe.core.sampler import SamplingRow  # the rows' type only: core.sampler imports this module
 
 
 @dataclass(slots=True)

@@ -302,6 +302,7 @@ def test_default_model_tokenizer_and_info():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_default_model_conversion_matches_transformers_gguf_reader():
     """Every converted tensor equals what transformers' own GGUF reader, dequantizer and llama q/k
     un-permutation make of the same file (an independent implementation of each step)."""
@@ -341,6 +342,7 @@ def test_default_model_conversion_matches_transformers_gguf_reader():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_default_model_matches_transformers_and_answers():
     """In float32 the converted default model gives transformers' logits on the same folder for chat
     prompts, and greedy decoding (troupe's runner and transformers' generate agree token for token)

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from troupe import LLM, AsyncLLM, InvalidInputError, RequestOutput, RequestOutputKind, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # hundreds of requests through the engine
 
 MAX_MODEL_LEN = 64
 VOCAB = 49152

@@ -10,6 +10,8 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+pytestmark = pytest.mark.timeout(600)  # the default model loads (and converts on first use)
+
 
 @pytest.mark.slow
 def test_a_real_chat_completion(tmp_path: Path) -> None:

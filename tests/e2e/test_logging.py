@@ -42,10 +42,6 @@ FRONTEND_HOPS = ["request submitted", "output ready", "output taken", "request f
 ENGINE_HOPS = ["request received", "request added", "request scheduled", "request finished in engine"]
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @pytest.fixture(scope="module")
 async def llm(tiny_llama: Path) -> AsyncIterator[AsyncLLM]:
@@ -135,6 +131,7 @@ def test_importing_troupe_configures_nothing_and_a_program_keeps_control() -> No
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.timeout(600)  # an engine in a subprocess
 def test_json_mode_writes_one_json_object_per_line(tiny_llama: Path) -> None:
     """TROUPE_LOG_FORMAT=json: every stderr line of an engine run at trace level (an exception
     with its traceback included) parses as one JSON object with event, level and timestamp."""
@@ -170,7 +167,6 @@ def test_json_mode_writes_one_json_object_per_line(tiny_llama: Path) -> None:
 # ---------------------------------------------------------------- per-request lines
 
 
-@pytest.mark.anyio
 async def test_every_hop_of_a_request_is_traced_with_its_request_id(llm: AsyncLLM, log_level: Any) -> None:
     """At trace level each hop of a request is logged (input processor, engine, output handler,
     collector), every line about it carries its request_id, and the hops come in order."""
@@ -189,7 +185,6 @@ async def test_every_hop_of_a_request_is_traced_with_its_request_id(llm: AsyncLL
     assert any(e["log_level"] == "trace" and e["event"] == "step" and e["engine"] == 0 for e in logs)
 
 
-@pytest.mark.anyio
 async def test_disabled_trace_logs_no_hop(llm: AsyncLLM, log_level: Any) -> None:
     """At info level only the canonical line is logged for a request: no trace, no debug."""
     log_level("info")
@@ -200,7 +195,6 @@ async def test_disabled_trace_logs_no_hop(llm: AsyncLLM, log_level: Any) -> None
     assert all(e["log_level"] not in ("trace", "debug") for e in logs)
 
 
-@pytest.mark.anyio
 async def test_canonical_line_numbers_are_right(llm: AsyncLLM, log_level: Any) -> None:
     """The canonical line of a known request: its id, prompt and output tokens, finish reason,
     engine, preemptions, and the timings of its final output; the second run of the same prompt
@@ -224,7 +218,6 @@ async def test_canonical_line_numbers_are_right(llm: AsyncLLM, log_level: Any) -
         assert line["output_tokens_per_s"] == round(7 / (m.finished_time - m.arrival_time), 1)
 
 
-@pytest.mark.anyio
 async def test_an_aborted_request_gets_its_canonical_line(llm: AsyncLLM, log_level: Any) -> None:
     """A request aborted after its first output: one canonical line, finish_reason abort, with the
     tokens it got."""
@@ -267,7 +260,6 @@ def test_errored_requests_get_their_canonical_line() -> None:
 # ---------------------------------------------------------------- the process boundary
 
 
-@pytest.mark.anyio
 async def test_request_id_on_both_sides_of_the_process_boundary(tiny_llama: Path, log_level: Any, ipc_root: str,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 check_leftovers: Any) -> None:
@@ -329,7 +321,6 @@ def test_stats_lines_report_throughput_per_engine_and_in_total() -> None:
     assert stats_lines({}, {}, 1.0, live_requests=2)[-1][1]["requests"] == 2  # live but stuck: still logged
 
 
-@pytest.mark.anyio
 async def test_stats_line_is_silent_while_idle(llm: AsyncLLM, log_level: Any) -> None:
     """The stats actor on a running engine: no line while idle, lines while a request runs, and
     none again once idle."""

@@ -3,25 +3,13 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
+from factories import make_request
 
 from troupe.core.kv_cache import NULL_BLOCK_ID, KVCacheManager, hash_block_tokens
 from troupe.core.request import Request
-from troupe.sampling_params import SamplingParams
 
 BS = 4
-_ids = itertools.count()
-
-
-def make_request(prompt: list[int] | int, *, max_tokens: int = 8) -> Request:
-    """A request; an int prompt means that many tokens unique to this request (no accidental hits)."""
-    n = next(_ids)
-    tokens = [10_000 * (n + 1) + i for i in range(prompt)] if isinstance(prompt, int) else prompt
-    return Request(f"r{n}", tokens, SamplingParams(max_tokens=max_tokens), max_tokens)
-
-
 def compute(kv: KVCacheManager, req: Request, num_tokens: int | None = None) -> None:
     """Admit `req` with its prefix hit, pretend its tokens ran, and register its full blocks."""
     hits, hit_tokens = kv.get_computed_blocks(req)

@@ -16,19 +16,17 @@ from typing import Any
 
 import anyio
 import pytest
+from factories import TINY_ENGINE as ENGINE
+from factories import assert_idle
 from structlog.testing import capture_logs
-from test_async_llm import ENGINE, assert_idle
 
 from troupe import AsyncLLM, InvalidInputError, RequestOutput, RequestOutputKind, SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = pytest.mark.slow  # engines in processes
+
 
 FAULTS = "fail_sampling=poison-s,fail_detokenize=poison-d"
 
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
-FAULTY = [str(Path(__file__).parent / "faulty_serve.py")]
+pytestmark = pytest.mark.slow  # a server process
+
+FAULTY = [str(Path(__file__).parents[1] / "faulty_serve.py")]
 TINY = ["--dtype", "float32"]
 
 
@@ -32,7 +34,6 @@ async def wait_refusing(url: str) -> None:
                 await anyio.sleep(0.05)
 
 
-@pytest.mark.anyio
 async def test_sigterm_drains_then_aborts_and_exits_0(tiny_llama: Path, tmp_path: Path) -> None:
     """SIGTERM: new work is refused, a short stream finishes normally within the grace, a long one
     is aborted when the grace ends (finish_reason "abort", then [DONE]), and the process exits 0."""

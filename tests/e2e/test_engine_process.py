@@ -25,8 +25,6 @@ from structlog.testing import capture_logs
 from troupe import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 from troupe.errors import EngineHungError, EngineStartupError
 
-pytestmark = pytest.mark.anyio
-
 ENGINE: dict[str, Any] = dict(dtype="float32", max_num_seqs=128, max_num_batched_tokens=256, num_kv_blocks=1024)
 FOREVER = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 

@@ -6,26 +6,22 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import pytest
+from factories import add_request
 
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
 from troupe.messages import (
     AbortRequest,
-    AddRequest,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineInput,
     EngineOutput,
 )
-from troupe.sampling_params import RequestOutputKind, SamplingParams
-
-pytestmark = pytest.mark.anyio
+from troupe.sampling_params import RequestOutputKind
 
 
 def add(table: RequestTable, i: int, **kw: Any) -> Any:
-    params = SamplingParams(max_tokens=4, output_kind=RequestOutputKind.DELTA, **kw)
-    return table.register(AddRequest(f"r{i}", [1, 2, 3], params, 4, external_id=f"u{i}"), None)
+    return table.register(add_request(f"r{i}", external_id=f"u{i}", output_kind=RequestOutputKind.DELTA, **kw), None)
 
 
 async def test_a_10000_entry_step_is_processed_in_slices_while_others_run(tokenizer: Any) -> None:

@@ -27,6 +27,8 @@ from server_process import ServerProcess  # noqa: E402
 
 from troupe import AsyncLLM, SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.timeout(600)  # a Ray cluster behind a server
+
 ARGS = ["--dtype", "float32", "--num-threads", "1", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
         "--exit-on-engine-death-after", "1"]
 
@@ -51,7 +53,6 @@ def ray_session_dir(driver_pid: int) -> str:
     return max(glob.glob(os.path.join(root, f"session_*_{driver_pid}")), key=os.path.getmtime)
 
 
-@pytest.mark.anyio
 async def test_serve_on_two_ray_actors_then_exit_on_the_death_of_one(tiny_llama: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """20 completions are served, some by each actor (the per-request log lines name the engine);
@@ -95,7 +96,6 @@ async def test_serve_on_two_ray_actors_then_exit_on_the_death_of_one(tiny_llama:
     await anyio.to_thread.run_sync(wait_no_processes, session)
 
 
-@pytest.mark.anyio
 async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_llama: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The cluster's processes die with the thread that started them (PR_SET_PDEATHSIG): that is

@@ -35,7 +35,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from server_process import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # hundreds of requests to a real server
 
 MAX_TOKENS = 8
 EXAMPLES = 400

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple, assert_never
+from typing import TYPE_CHECKING, Any, NamedTuple, assert_never
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe.core.engine_core import EngineCore
 from troupe.errors import InvalidInputError
 from troupe.log import trace, trace_enabled
 from troupe.messages import (
@@ -50,6 +49,9 @@ from troupe.messages import (
     UtilityResult,
 )
 
+if TYPE_CHECKING:
+    from troupe.core.engine_core import EngineCore  # torch: the engine process says hello before importing it
+
 log = structlog.get_logger("troupe.engine")
 
 # Methods the frontend may call on the engine with a UtilityCall.
@@ -63,11 +65,9 @@ class EngineActorStats(NamedTuple):
 
 
 class EngineCoreActor(anyio.AsyncContextManagerMixin):
-    def __init__(self, make_core: Callable[[], EngineCore] | EngineCore,
-                 inbox: MemoryObjectReceiveStream[EngineInput],
+    def __init__(self, core: EngineCore, inbox: MemoryObjectReceiveStream[EngineInput],
                  outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0) -> None:
-        self._make_core = make_core
-        self.core: EngineCore | None = make_core if isinstance(make_core, EngineCore) else None
+        self.core = core
         self._inbox = inbox
         self._outbox = outbox
         self.engine_index = engine_index
@@ -78,8 +78,7 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
         self.failed = False  # set once EngineDead was sent
 
     def statistics(self) -> EngineActorStats:
-        unfinished = self.core.has_unfinished_requests() if self.core else False
-        return EngineActorStats(self._steps, len(self._pending), unfinished)
+        return EngineActorStats(self._steps, len(self._pending), self.core.has_unfinished_requests())
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[EngineCoreActor]:
@@ -91,9 +90,6 @@ class EngineCoreActor(anyio.AsyncContextManagerMixin):
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)
         async with self._outbox:
-            if self.core is None:
-                assert callable(self._make_core)
-                self.core = await anyio.to_thread.run_sync(self._make_core)
             task_status.started()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._read_inbox)

@@ -6,7 +6,7 @@ after the module (checked by the cluster fixture).
 
 One cluster serves the module (`ray_cluster`); each frontend connects to it (`ray_address`) and
 disconnects when it stops. The pure helpers and the option checks without Ray are in
-tests/test_ray_options.py.
+tests/process/test_ray_options.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ray_helpers import (  # noqa: E402
 from troupe import AsyncLLM, EngineDeadError, SamplingParams  # noqa: E402
 from troupe.errors import EngineStartupError  # noqa: E402
 
-pytestmark = pytest.mark.anyio
+pytestmark = pytest.mark.timeout(600)  # a local Ray cluster starts with the module
 
 ENGINE = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=256, block_size=16,
               data_parallel_backend="ray", num_threads=1, engine_ready_timeout_s=120, log_stats_interval_s=None)

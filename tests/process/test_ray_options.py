@@ -66,6 +66,7 @@ def test_without_ray_the_ray_backend_says_how_to_install_it(monkeypatch: pytest.
     assert EngineConfig(data_parallel_size=2).num_local_engines == 2
 
 
+@pytest.mark.slow
 def test_the_cli_without_ray_exits_2_naming_the_install_command() -> None:
     """`troupe serve --data-parallel-backend ray` with Ray's import blocked: exit 2 and the message,
     before any server or engine starts."""
@@ -150,7 +151,7 @@ def test_describe_ray_error_is_one_clean_line() -> None:
                                        "task, ray::A.__init__() (pid=1) File \"x.py\", line 3 RuntimeError: boom")
 
 
-@pytest.mark.anyio
+@pytest.mark.slow
 async def test_a_cluster_address_nobody_answers_fails_the_start_at_once(tiny_llama: Path) -> None:
     """`ray_address` on a port nothing listens on: EngineStartupError naming the address within
     seconds (ray.init alone would retry for minutes), and no connection is left open."""

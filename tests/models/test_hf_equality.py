@@ -23,7 +23,7 @@ from troupe.messages import AddRequest
 from troupe.models.loader import load_tokenizer, resolve_model_path
 from troupe.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the default model in troupe and in transformers
 
 NEW_TOKENS = 32
 LENGTHS = [5, 12, 20, 33, 47, 60, 80, 100, 128, 150, 175, 200, 230, 256, 280, 300]

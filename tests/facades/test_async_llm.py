@@ -15,22 +15,19 @@ from typing import Any
 
 import anyio
 import pytest
+from factories import TINY_ENGINE, assert_idle
 
 from troupe import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = pytest.mark.slow  # engines in processes
 
-ENGINE = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, block_size=16)
+
+ENGINE = TINY_ENGINE
 
 
 def params(kind: RequestOutputKind, max_tokens: int = 10, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind, **kw)
 
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    """Module scope, so that one engine (per mode) can serve the whole module."""
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -39,23 +36,6 @@ async def shared_llm(tiny_llama: Path, engine_mode: dict[str, Any], check_leftov
     async with AsyncLLM(str(tiny_llama), max_model_len=256, **ENGINE, **engine_mode) as llm:
         yield llm
     check_leftovers()
-
-
-async def assert_idle(llm: AsyncLLM) -> None:
-    """No request state is left anywhere in the graph, the engine included."""
-    graph = llm._graph
-    assert graph is not None
-    with anyio.fail_after(10):
-        while True:
-            stats = await llm.get_stats()
-            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-                break
-            await anyio.sleep(0.01)
-    assert graph.table.num_unfinished == 0
-    # the published stats (what /metrics shows) are back to idle too, aborts included
-    assert all(st.num_running == 0 and st.num_waiting == 0 for st in llm.engine_stats.values())
-    assert not graph.table.by_external
-    assert not graph.table.processor.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+pytestmark = pytest.mark.timeout(600)  # programs in subprocesses, the default model in two
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def examples() -> dict[str, str]:

@@ -19,6 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # a server process
+
 API_KEY = "test-key"
 MODEL = "tiny"
 GREEDY: dict[str, Any] = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -339,7 +341,6 @@ def test_prompt_over_the_context_length_is_400(http: httpx.Client) -> None:
     assert "2048" in resp.json()["error"]["message"]
 
 
-@pytest.mark.anyio
 async def test_disconnect_mid_stream_aborts_the_request(server: ServerProcess) -> None:
     """Closing a stream after a few chunks aborts its request at once: the abort counter goes up.
 
@@ -372,7 +373,6 @@ async def ametrics(http: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, 
     return out
 
 
-@pytest.mark.anyio
 async def test_concurrent_streams(server: ServerProcess) -> None:
     """16 concurrent streaming chats all finish with their full token count."""
     async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:

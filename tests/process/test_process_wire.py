@@ -33,8 +33,6 @@ from troupe.process.client import EngineProcess
 from troupe.process.codec import FrameDecoder, FrameEncoder, reject_input, reject_output
 from troupe.process.protocol import EngineShutdown, FromEngine, ToEngine
 
-pytestmark = pytest.mark.anyio
-
 GOOD = AddRequest("good", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 3)
 BAD_ADD = AddRequest("bad", ["not", "ints"], SamplingParams(), 4)  # type: ignore[list-item]  # encodes, fails validation
 BAD_CALL = UtilityCall(7, 123)  # type: ignore[arg-type]  # method must be a str
@@ -162,6 +160,7 @@ async def test_a_connection_to_itself_is_noticed() -> None:
         stream.close()
 
 
+@pytest.mark.slow
 async def test_engine_process_answers_bad_frames_over_tcp(tiny_llama: Path, check_leftovers: Any) -> None:
     """Over tcp:// (any free port): a bad add and a bad utility call each get their own error from the
     engine process, which keeps serving: a good request right after finishes."""

@@ -15,7 +15,8 @@ import torch
 from troupe import LLM, SamplingParams
 from troupe.errors import EngineStartupError, InvalidInputError
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU"),
+              pytest.mark.timeout(600)]  # the CLI in subprocesses
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

@@ -18,6 +18,8 @@ import pytest
 
 from troupe import LLM, AsyncLLM, EngineDeadError, InvalidInputError, RequestOutputKind, SamplingParams
 
+pytestmark = pytest.mark.slow  # engines in processes
+
 ENGINE: dict[str, Any] = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=512)
 
 

@@ -16,13 +16,13 @@ from typing import Any
 import anyio
 import pytest
 from engines import POOL_PIDS, free_port_pair, headless_engines
+from factories import add_request as add
 
 from troupe import AsyncLLM, EngineDeadError, InvalidInputError, SamplingParams
 from troupe.actors.dp_balancer import DPBalancer, aggregate_stats, combine_results
 from troupe.config import EngineConfig
 from troupe.messages import (
     AbortRequest,
-    AddRequest,
     EngineCoreOutputs,
     EngineDead,
     EngineInput,
@@ -33,8 +33,6 @@ from troupe.messages import (
 )
 from troupe.process.engine_main import default_threads
 from troupe.process.launch import rank_address
-
-pytestmark = pytest.mark.anyio
 
 ENGINE = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, block_size=16)
 
@@ -71,10 +69,6 @@ class FakeEngines:
                 out.append(self.inboxes[rank].receive_nowait())
             except anyio.WouldBlock:
                 return out
-
-
-def add(rid: str, rank: int | None = None) -> AddRequest:
-    return AddRequest(rid, [1, 2, 3], SamplingParams(), 4, external_id=rid, data_parallel_rank=rank)
 
 
 async def settle() -> None:

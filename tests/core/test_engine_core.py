@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import add_request
 
 from troupe.config import EngineConfig
 from troupe.core.engine_core import EngineCore
@@ -31,7 +32,7 @@ def run(core: EngineCore, requests: list[AddRequest]) -> dict[str, list[int]]:
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 12, **kw: Any) -> AddRequest:
-    return AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), max_tokens)
+    return add_request(rid, prompt, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def test_same_seed_same_tokens_alone_and_in_a_batch_of_16(core: EngineCore) -> None:

@@ -3,31 +3,16 @@
 
 from __future__ import annotations
 
-import itertools
 import random
-from typing import Any
 
 import pytest
+from factories import EOS, make_request
 
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.request import Request, RequestStatus
 from troupe.core.scheduler import Scheduler, SchedulerOutput
 from troupe.errors import InvalidInputError
 from troupe.messages import FinishReason
-from troupe.sampling_params import SamplingParams
-
-EOS = 2
-_ids = itertools.count()
-
-
-def make_request(prompt: list[int] | int = 8, *, max_tokens: int = 16, priority: int = 0,
-                 arrival: float | None = None, rid: str | None = None, **params: Any) -> Request:
-    """A request; an int prompt means that many tokens unique to this request (no prefix hits)."""
-    n = next(_ids)
-    tokens = [10_000 * (n + 1) + i for i in range(prompt)] if isinstance(prompt, int) else prompt
-    sp = SamplingParams(max_tokens=max_tokens, **params)
-    return Request(rid or f"r{n}", tokens, sp, max_tokens, [EOS], float(n) if arrival is None else arrival,
-                   priority)
 
 
 def make_scheduler(*, num_blocks: int = 1000, block_size: int = 16, max_num_seqs: int = 16,

@@ -31,8 +31,6 @@ from troupe.server.fields import reject_unsupported
 from troupe.server.protocol import CompletionRequest
 from troupe.server.state import ServerSettings
 
-pytestmark = pytest.mark.anyio
-
 
 def delta(text: str, token: int, finish: str | None = None) -> RequestOutput:
     return RequestOutput("r", text, [1, 2, 3], [CompletionOutput(0, text, [token], finish_reason=finish)],
