@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_server_app import FakeEngine, FakeTokenizer, delta, make_app
+from server_fakes import FakeEngine, FakeTokenizer, delta, make_app
 
 from troupe.outputs import CompletionOutput, RequestOutput
 from troupe.tools import HermesStreamParser, parse_tool_calls, required_tools_schema, tool_calls_from_required

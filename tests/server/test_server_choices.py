@@ -11,8 +11,8 @@ import json
 from typing import Any, NamedTuple
 
 import pytest
+from server_fakes import FakeEngine, serving
 from structlog.testing import capture_logs
-from test_server_app import FakeEngine, serving
 
 from troupe.outputs import CompletionOutput, RequestOutput
 from troupe.sampling_params import RequestOutputKind
