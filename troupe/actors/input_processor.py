@@ -152,7 +152,7 @@ class InputProcessor(anyio.AsyncContextManagerMixin):
         try:
             req = build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
                                 external_id=sub.external_id, priority=sub.priority,
-                                data_parallel_rank=sub.data_parallel_rank)
+                                data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer)
             if sub.abandoned:
                 return
             sub.stream = self._table.register(req, text)

@@ -4,7 +4,8 @@
 Contract of `execute(seqs)` (see `troupe.core.batch`): sequence i computes `seqs[i].token_ids` at
 positions `start_pos ..`, its K/V going to the blocks `block_ids` (slot of position p:
 `block_ids[p // block_size] * block_size + p % block_size`); it returns float32 logits
-`(number of seqs with needs_logits, vocab)`, one row per such entry in order, taken at its last token.
+`(rows, vocab)`, one row per entry with `needs_logits` in order, taken at its last token, or one row
+per token of the chunk for an entry with `prompt_logits` (prompt logprobs; `troupe.core.batch`).
 The KV pool is mutated in place; nothing else is. Not thread-safe: one step at a time.
 
 The kernel set (`troupe.kernels`, chosen by `EngineConfig.kernels` and `device` when the runner is
@@ -167,7 +168,7 @@ class ModelRunner:
         3. The LM head runs on the last token of each seq that needs logits; logits come back on the CPU,
            or stay on the GPU for the device sampler.
         """
-        n_out = sum(s.needs_logits for s in seqs)
+        n_out = sum(len(s.token_ids) if s.prompt_logits else s.needs_logits for s in seqs)
         if self.model is None:
             logits = torch.zeros(n_out, self.vocab_size)  # (N, vocab)
             logits[:, self.null_token_id] = 1.0
@@ -181,6 +182,21 @@ class ModelRunner:
             hidden = self.graphs.replay(batch)  # (N, hidden): every row of a graph step is sampled
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # (T, hidden)
-            hidden = hidden[batch.logits_indices]  # (N, hidden)
+            hidden = hidden[batch.logits_indices if n_out == len(batch.logits_indices) else
+                            _logits_rows(seqs)]  # (N, hidden)
         logits = self.model.compute_logits(hidden)  # (N, vocab)
         return logits if self.device.type == "cuda" else logits.cpu()
+
+
+def _logits_rows(seqs: list[ScheduledSeq]) -> list[int]:
+    """Token indices of the step whose logits are returned when some seq wants all of its chunk's."""
+    rows: list[int] = []
+    start = 0
+    for s in seqs:
+        n = len(s.token_ids)
+        if s.prompt_logits:
+            rows.extend(range(start, start + n))
+        elif s.needs_logits:
+            rows.append(start + n - 1)
+        start += n
+    return rows

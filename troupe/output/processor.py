@@ -18,6 +18,8 @@ Contract:
   cuts the text but never the token ids.
 - DELTA outputs reuse the engine message's `new_token_ids` list (no copy): nothing downstream
   mutates lists in place (`RequestOutput.add` builds new ones).
+- Logprobs (when asked) are kept and sliced by `troupe.output.logprobs.LogprobsState`, aligned with
+  the token ids.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, NamedTuple
 from troupe.errors import InvalidInputError
 from troupe.messages import EngineCoreOutput, FinishReason
 from troupe.output.detokenizer import IncrementalDetokenizer, make_detokenizer
+from troupe.output.logprobs import LogprobsState, TokenTexts, make_logprobs_state
 from troupe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,6 +61,7 @@ class RequestState:
         "detokenizer",
         "num_cached_tokens",
         "metrics",
+        "logprobs",
     )
 
     def __init__(
@@ -78,6 +82,7 @@ class RequestState:
         self.detokenizer = detokenizer
         self.num_cached_tokens = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.logprobs: LogprobsState | None = None
 
     def make_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
@@ -144,6 +149,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
         self._by_external: dict[str, list[str]] = {}
+        self._token_texts: dict[int, TokenTexts] = {}
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -186,6 +192,7 @@ class OutputProcessor:
             detok,
             time.monotonic() if arrival_time is None else arrival_time,
         )
+        self._states[request_id].logprobs = make_logprobs_state(self.tokenizer, params, self._token_texts)
         self._by_external.setdefault(external_id, []).append(request_id)
 
     def _free(self, state: RequestState, now: float) -> None:
@@ -246,7 +253,11 @@ class OutputProcessor:
                     if finish_reason is None:
                         reqs_to_abort.append(eco.request_id)
                     finish_reason, stop_reason = _STOP, stop_string
+                if state.logprobs is not None:
+                    state.logprobs.update(eco)
                 out = state.make_output(new_ids, finish_reason, stop_reason, eco.error)
+                if out is not None and state.logprobs is not None:
+                    state.logprobs.attach(out)
             except Exception as exc:
                 if finish_reason is None:
                     reqs_to_abort.append(eco.request_id)
@@ -289,5 +300,7 @@ class OutputProcessor:
             state.detokenizer.catch_up()
             out = state.make_output([], FinishReason.ABORT, None)
             assert out is not None
+            if state.logprobs is not None:
+                state.logprobs.attach(out)
             finals[rid] = out
         return finals
