@@ -3,9 +3,12 @@
 One real server (`troupe serve`, the default model, its engine in its own process, on loopback)
 serves the module. Its `/openapi.json` is loaded as published; schemathesis draws requests for
 every operation from it: bodies that fit the schema (positive) and bodies that break it
-(negative: wrong types, missing or unknown fields, wrong content). Generation stays cheap: any
-`max_tokens` / `max_completion_tokens` is capped at `MAX_TOKENS` before the call (a chat without
-one gets it), which changes no case's validity since the schema puts no bound on them.
+(negative: wrong types, missing fields, wrong content; unknown fields are ignored with a warning,
+as vLLM's server does). The schema covers every field: n, logprobs, echo, penalties, logit_bias,
+allowed_token_ids, bad_words, structured outputs (response_format, structured_outputs, guided_*),
+tools and tool_choice. Generation stays cheap: any `max_tokens` / `max_completion_tokens` is capped
+at `MAX_TOKENS` before the call (a chat without one gets it), which changes no case's validity since
+the schema puts no bound on them, and `n` in the schema's range is capped at `MAX_N`.
 
 For every response: schemathesis' conformance checks (a documented status, content type and
 headers; a body that matches the documented schema); no 5xx at all (a 503 would mean the engine
@@ -35,9 +38,12 @@ from schemathesis.specs.openapi.checks import (
 )
 from server_process import ServerProcess
 
+from troupe.server.protocol import MAX_N as SCHEMA_MAX_N
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # hundreds of requests to a real server
 
 MAX_TOKENS = 8
+MAX_N = 3  # choices: each is an engine request
 EXAMPLES = 400
 HEALTH_EVERY = 25
 CHECKS = [status_code_conformance, content_type_conformance, response_headers_conformance,
@@ -66,8 +72,14 @@ def test_the_document_covers_every_route(server: ServerProcess) -> None:
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                                  "/v1/models", "/version", "/health", "/metrics", "/openapi.json"}
     schemas = doc["components"]["schemas"]
-    assert schemas["CompletionRequest"]["additionalProperties"] is False
-    assert "max_tokens" in schemas["CompletionRequest"]["properties"]
+    completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    assert "additionalProperties" not in schemas["CompletionRequest"]  # unknown fields: ignored with a warning
+    assert {"max_tokens", "n", "logprobs", "echo", "logit_bias", "response_format", "structured_outputs",
+            "guided_json", "allowed_token_ids", "bad_words", "prompt_logprobs", "stream_options"} <= set(completion)
+    assert {"tools", "tool_choice", "top_logprobs", "max_completion_tokens", "parallel_tool_calls"} <= set(chat)
+    assert "continuous_usage_stats" in schemas["StreamOptions"]["properties"]
+    assert "tool_calls" in schemas["ChatMessageOut"]["properties"]
+    assert {"tokens", "token_logprobs", "top_logprobs", "text_offset"} <= set(schemas["CompletionLogprobs"]["properties"])
     assert set(schemas["ErrorInfo"]["required"]) == {"message", "type", "param", "code"}
     post = doc["paths"]["/v1/completions"]["post"]
     assert post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
@@ -78,10 +90,11 @@ def cap_tokens(case: Any) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key, cap, top in (("max_tokens", MAX_TOKENS, None), ("max_completion_tokens", MAX_TOKENS, None),
+                          ("n", MAX_N, SCHEMA_MAX_N)):
         value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
-            body[key] = MAX_TOKENS
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap and (top is None or value <= top):
+            body[key] = cap
     if case.path in ("/v1/chat/completions", "/v1/completions"):
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_TOKENS
@@ -110,15 +123,21 @@ class Tally:
 
 
 # Fields troupe accepts only at their neutral value (a 400 otherwise), the model name (a 404 unless
-# it is the served one) and priority (a 400 unless 0 under fcfs).
-ONLY_NEUTRAL = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "best_of",
-                "echo", "suffix", "logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                "response_format", "modalities", "audio", "reasoning_effort", "prediction", "store",
-                "service_tier", "priority", "model")
+# it is the served one), priority (a 400 unless 0 under fcfs), a request's own chat template (a 400
+# unless trusted), and the fields that must agree with others to be valid (one output constraint;
+# tool_choice needs tools).
+ONLY_NEUTRAL = ("best_of", "suffix", "use_beam_search", "length_penalty", "logprob_token_ids", "prompt_embeds",
+                "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
+                "thinking_token_budget", "stream_interval", "watermarking", "routed_experts_prompt_start",
+                "truncation_side", "functions", "function_call", "modalities", "audio", "prediction", "store",
+                "service_tier", "guided_decoding_backend", "priority", "model", "chat_template", "request_id",
+                "continue_final_message", "structured_outputs", "response_format", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "guided_whitespace_pattern", "tool_choice", "top_logprobs",
+                "prompt_logprobs", "stream_options")
 
 
 VOCAB = 49152
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 MESSAGE_EXTRAS = ("name", "refusal", "annotations", "audio", "function_call", "tool_calls", "tool_call_id")
@@ -146,6 +165,13 @@ def steer(case: Any, data: st.DataObject) -> None:
     for key in ONLY_NEUTRAL:
         if key in body and data.draw(st.booleans(), label=f"drop {key}"):
             del body[key]
+    for key in ("allowed_token_ids", "stop_token_ids"):
+        value = body.get(key)
+        if isinstance(value, list) and data.draw(st.booleans(), label=f"{key} in vocab"):
+            body[key] = [t % VOCAB if isinstance(t, int) else t for t in value]
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and data.draw(st.booleans(), label="logit_bias keys"):
+        body["logit_bias"] = {str(i % VOCAB): v for i, v in enumerate(bias.values())}
     for key in ("prompt", "tokens"):
         value = body.get(key)
         if isinstance(value, list) and data.draw(st.booleans(), label=f"{key} in vocab"):
