@@ -256,3 +256,34 @@ def test_models_and_tokenize_report_the_resolved_context(server: ServerProcess) 
     """/v1/models and /tokenize report the context the engine serves (--max-model-len 1024)."""
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 1024
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 1024
+
+
+def test_streamed_logprobs_and_tool_call_equal_the_whole_answer(client: openai.OpenAI) -> None:
+    """Greedy: the logprobs of the streamed chunks, concatenated, equal the whole answer's (text
+    offsets continuing across chunks), and a streamed named tool call assembles to the whole one."""
+    kw: dict[str, Any] = dict(model="smol", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=2,
+                              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float | None] = []
+    offsets: list[int] = []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens or []
+                values += c.logprobs.token_logprobs or []
+                offsets += c.logprobs.text_offset or []
+    assert whole is not None and tokens == whole.tokens and offsets == whole.text_offset
+    assert all(abs(a - b) < 1e-6 for a, b in zip(values, whole.token_logprobs or [], strict=True))  # type: ignore[operator]
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    chat: dict[str, Any] = dict(model="smol", messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                tools=[WEATHER], tool_choice=named, max_tokens=60, temperature=0.0)
+    call = client.chat.completions.create(**chat).choices[0].message.tool_calls[0]  # type: ignore[index]
+    args, names = "", []
+    for chunk in client.chat.completions.create(stream=True, **chat):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                names += [tc.function.name] if tc.function and tc.function.name else []
+                args += tc.function.arguments or "" if tc.function else ""
+    assert names == ["get_weather"] and args == call.function.arguments  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])  # type: ignore[index]
