@@ -97,17 +97,29 @@ def test_cli_prints_the_answer_only_unless_verbose(tiny_llama: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cli_generate_n_and_logprobs(tiny_llama: Path) -> None:
-    """--n 2 prints two samples under their headers; --logprobs 2 adds, after the answer, one line per
-    generated token (its text, a logprob <= 0 and its alternatives)."""
+def test_cli_generate_n(tiny_llama: Path) -> None:
+    """--n 2 prints two different samples, each under its header."""
     proc = _cli("generate", "hi", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5",
-                "--temperature", "1", "--seed", "7", "--ignore-eos", "--n", "2", "--logprobs", "2")
+                "--temperature", "1", "--seed", "7", "--ignore-eos", "--n", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert [line for line in lines if line.startswith("--- sample")] == ["--- sample 0 ---", "--- sample 1 ---"]
-    token_lines = [line.split("\t") for line in lines if line.count("\t") == 2]
-    assert len(token_lines) == 10
+    first, second = lines[1:lines.index("--- sample 1 ---")], lines[lines.index("--- sample 1 ---") + 1:]
+    assert first != second
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_generate_logprobs(tiny_llama: Path) -> None:
+    """--logprobs 2 adds, after the answer, one line per generated token: its text, a logprob <= 0
+    and its 2 alternatives."""
+    proc = _cli("generate", "hi", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5",
+                "--temperature", "0", "--ignore-eos", "--logprobs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    token_lines = [line.split("\t") for line in proc.stdout.splitlines() if line.count("\t") == 2]
+    assert len(token_lines) == 5
     assert all(float(logprob) <= 0 for _, logprob, _ in token_lines)
+    assert all(1 <= len(alts.split("  ")) <= 2 for _, _, alts in token_lines)
 
 
 @pytest.mark.slow

@@ -3,7 +3,10 @@ documents (`troupe.server.openapi` builds the schema from these and the request 
 
 Non-streaming answers are one `CompletionResponse` / `ChatCompletionResponse`; streams are SSE
 `data:` events of `CompletionChunk` / `ChatCompletionChunk` (with `usage` present, as null, only
-when `stream_options.include_usage` asked for the final usage chunk); errors are `ErrorResponse`.
+when `stream_options.include_usage` asked for the final usage chunk; filled on every chunk with
+`continuous_usage_stats`); errors are `ErrorResponse`. Fields typed `... | UnsetType` are vLLM's
+extras, sent only when the request asked for them (`return_token_ids`, `prompt_logprobs`) or when
+there are some (`tool_calls`).
 """
 
 from __future__ import annotations
