@@ -24,6 +24,7 @@ import anyio
 from troupe.config import DEFAULT_MODEL, EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
+from troupe.structured import StructuredOutputsParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -106,10 +107,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     if logprobs is not None:
         extra["logprobs"] = logprobs
     if getattr(args, "json_schema", None) is not None:
-        schema = _read_schema(args.json_schema)
-        from troupe.structured import StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
-
-        extra["structured_outputs"] = StructuredOutputsParams(json=schema)
+        extra["structured_outputs"] = StructuredOutputsParams(json=_read_schema(args.json_schema))
     stream = n == 1 and logprobs is None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,

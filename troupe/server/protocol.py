@@ -7,9 +7,10 @@ fields troupe cannot honour are a 400 unless neutral (`fields.reject_unsupported
 
 `sampling_params(defaults)` builds the request's `SamplingParams`: DELTA outputs when streaming,
 FINAL_ONLY otherwise; what the request leaves unset comes from `defaults` (the model's
-`generation_config.json`), else the OpenAI default. Fields the engine's SamplingParams gained with
-issue 14 (logprobs, penalties, logit_bias, ...) are passed only when set. The chat request lives in
-`chat.py`.
+`generation_config.json`), else the OpenAI default; the optional features (logprobs, penalties,
+logit_bias, structured outputs, ...) are passed only when set, so SamplingParams keeps its own
+defaults. The one output constraint may come from `structured_outputs`, `response_format`, a
+`guided_*` field or (chat) a forced tool call. The chat request lives in `chat.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from msgspec import Meta
 
 from troupe.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from troupe.server.errors import bad_request
+from troupe.structured import StructuredOutputsParams
 
 # Ranges the schema (and so /openapi.json) states, the same as SamplingParams checks.
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -143,7 +145,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs", "prompt_logprobs are not available with stream=true")
 
-    def structured_outputs_params(self) -> Any:
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint the request asks for (any of the fields in `_STRUCTURED`, or a
         forced tool call), as `StructuredOutputsParams`; None without one."""
         found: list[tuple[str, dict[str, Any]]] = []
@@ -178,10 +180,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         field, spec = found[0]
         if self.guided_whitespace_pattern is not None:
             spec["whitespace_pattern"] = self.guided_whitespace_pattern
-        from troupe.structured import StructuredOutputsParams  # type: ignore[import-not-found, unused-ignore]
-
-        params = StructuredOutputsParams(**spec)
-        return params
+        return StructuredOutputsParams(**spec)
 
     def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """The request's SamplingParams (see the module docstring). Raises `InvalidInputError` (a
