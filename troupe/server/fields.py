@@ -23,6 +23,7 @@ from troupe.server.errors import bad_request
 
 log = structlog.get_logger("troupe.server")
 _warned: set[tuple[str, ...]] = set()
+_WARNED_MAX = 1024  # sets of names remembered; past that the memory starts over (clients choose the names)
 
 
 @functools.cache
@@ -62,6 +63,8 @@ def warn_ignored(fields: list[str], request_id: str) -> None:
     if key in _warned:
         log.debug("request fields ignored", fields=list(key), request_id=request_id)
         return
+    if len(_warned) >= _WARNED_MAX:
+        _warned.clear()
     _warned.add(key)
     log.warning("request fields ignored: troupe does not know them", fields=list(key), request_id=request_id)
 
