@@ -2,8 +2,7 @@
 
 Public names: `LLM` (offline, blocking) and `AsyncLLM` (streaming) over the same actor graph,
 `SamplingParams`, `StructuredOutputsParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
-`Logprob`, `EngineDeadError`,
-`EngineStartupError`, `EngineHungError`.
+`Logprob`, `EngineDeadError`, `EngineStartupError`, `EngineHungError`.
 """
 
 from __future__ import annotations

@@ -262,8 +262,17 @@ class EngineCore:
         """Take the prompt-logits rows out of `logits` (see `troupe.core.batch`), compute those requests'
         prompt logprobs, and return the rows to sample from, one per seq that needs logits. A request's
         prompt logprobs go into `out` with its first token."""
-        if not any(s.prompt_logits for s in seqs):
-            return logits
+        if any(s.prompt_logits for s in seqs):
+            logits = self._take_prompt_logits(seqs, logits, failed)
+        for seq in seqs:
+            req = self._requests[seq.request_id]
+            if seq.needs_logits and req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                out[req.request_id] = to_lists(req.prompt_logprob_rows)
+                req.prompt_logprobs_sent = True
+        return logits
+
+    def _take_prompt_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor,
+                            failed: dict[str, str]) -> torch.Tensor:
         keep: list[int] = []
         at = 0
         for seq in seqs:
@@ -281,11 +290,6 @@ class EngineCore:
             if seq.needs_logits:
                 keep.append(at + n - 1)
             at += n
-        for seq in seqs:
-            req = self._requests[seq.request_id]
-            if seq.needs_logits and req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-                out[req.request_id] = to_lists(req.prompt_logprob_rows)
-                req.prompt_logprobs_sent = True
         return logits[keep]
 
     def _advance_grammars(self, sampled: dict[str, int], failed: dict[str, str]) -> None:

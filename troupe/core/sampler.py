@@ -97,8 +97,10 @@ class Sampler:
         if all(r.params.greedy and not r.suppressed and r.params.logprobs is None and _plain(r) for r in rows):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * S)  # nothing to copy or send
         meta = SamplingMetadata.build(rows, V, self._generator, logits.device)
-        x = logits.float()  # (S, V)
-        x = x.clone() if x is logits else x
+        want_processed = bool(meta.logprob_rows) and not self.logprobs_mode.startswith("raw")
+        x = logits.float()  # (S, V); the same tensor when it already is float32
+        if x is logits and (meta.any_processing or want_processed):
+            x = x.clone()  # written below; otherwise only copies of rows are (advanced indexing)
         if meta.bitmask is not None:
             apply_bitmask(x, meta.bitmask_rows, meta.bitmask)
         raw = None
@@ -114,8 +116,9 @@ class Sampler:
                                           "min_tokens and the structured-output grammar leave none)")
         tokens = torch.empty(S, dtype=torch.int64, device=x.device)
         processed = None
-        want_processed = bool(meta.logprob_rows) and raw is None
-        if meta.greedy_rows:
+        if len(meta.greedy_rows) == S:
+            tokens = x.argmax(dim=-1)
+        elif meta.greedy_rows:
             tokens[meta.greedy_rows] = x[meta.greedy_rows].argmax(dim=-1)
         if meta.rand_rows:
             filtered = filter_logits(x[meta.rand_rows], meta)  # (R, V) a copy

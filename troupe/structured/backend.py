@@ -10,7 +10,7 @@
 
 Specs map to xgrammar as vLLM's xgrammar backend does: `json` -> a JSON-schema grammar (xgrammar's
 strict mode: no properties beyond the schema's), `any_whitespace` unless `disable_any_whitespace`;
-`json_object` -> the built-in JSON grammar; `regex`; `choice` -> an EBNF alternation of the strings;
+`json_object` -> the schema `{"type": "object"}` (an object, not any JSON value); `regex`; `choice` -> an EBNF alternation of the strings;
 `grammar` -> EBNF / GBNF text.
 """
 
@@ -86,7 +86,7 @@ class GrammarCompiler:
         if kind == "json":
             return c.compile_json_schema(_schema_text(spec), any_whitespace=not spec.disable_any_whitespace)
         if kind == "json_object":
-            return c.compile_builtin_json_grammar()
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace)
         if kind == "regex":
             return c.compile_regex(spec.regex)
         if kind == "choice":

@@ -48,8 +48,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                                     "troupe; use json, regex, choice or grammar")
         if kind == "json":
             self._check_schema()
-        elif kind == "json_object" and self.json_object is not True:
-            raise InvalidInputError("structured_outputs.json_object", f"must be true, got {self.json_object!r}")
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise InvalidInputError("structured_outputs.json_object", f"must be true, got {self.json_object!r}")
         elif kind == "choice":
             if not isinstance(self.choice, list | tuple) or not self.choice:
                 raise InvalidInputError("structured_outputs.choice", f"must be a non-empty list of strings, got "
