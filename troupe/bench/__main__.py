@@ -1,7 +1,7 @@
-"""`python -m troupe.bench`: the same as `troupe bench` (troupe.bench.offline)."""
+"""`python -m troupe.bench`: the same as `troupe bench` (troupe.bench.harness)."""
 
 from __future__ import annotations
 
-from troupe.bench.offline import main
+from troupe.bench.harness import main
 
 raise SystemExit(main())

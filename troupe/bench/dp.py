@@ -1,6 +1,6 @@
 """`python -m troupe.bench.dp`: data parallelism on this machine, and where the frontend stops scaling.
 
-- `offline`: the offline workload of `troupe.bench` (64 prompts of 20..400 tokens, 128 new tokens,
+- `offline`: the offline workload of `troupe.bench.offline` (64 prompts of 20..400 tokens, 128 new tokens,
   greedy, ignore_eos) through `LLM.generate` on the default model, with 1 engine x `--threads`
   torch threads against `--dp` engines x (`--threads` / `--dp`) threads each, same total cores. Both
   groups stay up and alternate run by run (fairer on a noisy machine); prints the median output

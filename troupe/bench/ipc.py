@@ -1,6 +1,6 @@
 """`python -m troupe.bench.ipc`: what the engine process boundary costs, and the frontend's ceiling.
 
-- `offline`: the offline workload of `troupe.bench` (64 prompts of 20..400 tokens, 128 new tokens,
+- `offline`: the offline workload of `troupe.bench.offline` (64 prompts of 20..400 tokens, 128 new tokens,
   greedy, default model, bf16) through `LLM.generate`, with the EngineCore in its own process and
   in this one; both engines stay up and the two modes alternate run by run (fairer on a noisy
   machine). Prints the median output tokens/s of each and their ratio.

@@ -1,4 +1,4 @@
-"""`troupe bench`: offline throughput of troupe against Hugging Face transformers, same run.
+"""`python -m troupe.bench.offline`: offline throughput of troupe against Hugging Face transformers, same run.
 
 Workload (issue #2): 64 prompts of 20..400 tokens, 128 new tokens each, greedy with ignore_eos,
 on the default model. troupe (`LLM.generate`, the actor graph) and transformers' batched `generate`
@@ -226,7 +226,7 @@ class HFRunner:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="troupe bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")

