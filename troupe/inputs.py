@@ -69,8 +69,10 @@ def tokenize(tokenizer: Any, text: str) -> list[int]:
 
 
 def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> str:
-    """The conversation as text through the model's chat template."""
+                chat_template: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                **template_kwargs: Any) -> str:
+    """The conversation as text through the model's chat template; `tools` (OpenAI function
+    definitions) and `template_kwargs` are passed to the template as transformers does."""
     if not isinstance(messages, Sequence) or not messages:
         raise InvalidInputError("messages", "must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
@@ -79,7 +81,7 @@ def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: b
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, tools=tools, **template_kwargs)
     except Exception as exc:  # no template, or the template refused the conversation (jinja2's TemplateError)
         raise InvalidInputError("messages", f"chat template failed: {type(exc).__name__}: {exc}") from exc
     return str(text)
