@@ -113,8 +113,6 @@ def validate_sampling(params: SamplingParams, limits: ModelLimits) -> None:
     """The checks of `params` that need the model: token ids inside the vocabulary, logprob counts
     within `max_logprobs`. Raises `InvalidInputError` naming the field."""
     vocab = limits.vocab_size
-    if params.n > 1:  # the frontend fans a request out into n children of n=1 before this
-        raise InvalidInputError("n", f"n > 1 is not supported yet by troupe (got {params.n})")
     for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("allowed_token_ids",
                        params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
         for t in ids:

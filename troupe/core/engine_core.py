@@ -112,6 +112,8 @@ class EngineCore:
                                     "served; start it with scheduling_policy='priority' to use priorities")
         if msg.max_tokens < 1:
             raise InvalidInputError("max_tokens", f"must be >= 1, got {msg.max_tokens}")
+        if msg.params.n != 1:  # the frontend fans an n > 1 request out into n children of n = 1
+            raise InvalidInputError("n", f"the engine takes one sample per request, got n={msg.params.n}")
         validate_sampling(msg.params, self.limits)
         req = Request.from_message(msg)
         # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
