@@ -20,7 +20,7 @@ def rows(n: int, seed: int | None = None, suppressed: frozenset[int] = frozenset
 def test_greedy_is_argmax() -> None:
     """temperature=0 picks the argmax of every row."""
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
-    assert Sampler().sample(logits.clone(), rows(8, temperature=0.0)) == logits.argmax(-1).tolist()
+    assert Sampler().sample(logits.clone(), rows(8, temperature=0.0)).token_ids == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_greedy_is_argmax() -> None:
 def test_filters_that_leave_one_token_match_greedy(kw: dict[str, float]) -> None:
     """A filter that keeps only the most likely token makes random sampling greedy."""
     logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(2)) * 3
-    assert Sampler(seed=5).sample(logits.clone(), rows(16, **kw)) == logits.argmax(-1).tolist()
+    assert Sampler(seed=5).sample(logits.clone(), rows(16, **kw)).token_ids == logits.argmax(-1).tolist()
 
 
 def test_top_k_keeps_samples_inside_the_top_k() -> None:
@@ -39,7 +39,7 @@ def test_top_k_keeps_samples_inside_the_top_k() -> None:
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3))
     top = set(logits[0].topk(5).indices.tolist())
     sampler = Sampler(seed=0)
-    picked = {sampler.sample(logits.clone(), rows(1, temperature=1.5, top_k=5))[0] for _ in range(300)}
+    picked = {sampler.sample(logits.clone(), rows(1, temperature=1.5, top_k=5)).token_ids[0] for _ in range(300)}
     assert picked <= top and len(picked) >= 3
 
 
@@ -47,7 +47,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     """With probabilities .5/.3/.2 and top_p=0.7, only the first two tokens can be drawn."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     sampler = Sampler(seed=0)
-    picked = [sampler.sample(logits.clone(), rows(1, top_p=0.7))[0] for _ in range(400)]
+    picked = [sampler.sample(logits.clone(), rows(1, top_p=0.7)).token_ids[0] for _ in range(400)]
     assert set(picked) == {0, 1}
     assert 0.5 < picked.count(0) / 400 < 0.75  # renormalised: 0.625
 
@@ -57,7 +57,7 @@ def test_top_p_exact_when_the_cutoff_is_deep_in_the_vocabulary() -> None:
     vocab = 5000
     logits = torch.zeros(1, vocab)
     sampler = Sampler(seed=0)
-    picked = {sampler.sample(logits.clone(), rows(1, top_p=0.9))[0] for _ in range(300)}
+    picked = {sampler.sample(logits.clone(), rows(1, top_p=0.9)).token_ids[0] for _ in range(300)}
     assert max(picked) > 2000  # tokens far beyond the first 1024 are reachable
 
 
@@ -69,7 +69,7 @@ def test_sampled_frequencies_follow_the_softmax() -> None:
     n = 4000
     counts = torch.zeros(4)
     for _ in range(n // 8):
-        for t in sampler.sample(logits.repeat(8, 1), rows(8, temperature=2.0)):
+        for t in sampler.sample(logits.repeat(8, 1), rows(8, temperature=2.0)).token_ids:
             counts[t] += 1
     assert torch.allclose(counts / n, probs, atol=0.03)
 
@@ -85,9 +85,9 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
         for _ in range(10):
             if batch:
                 batch_rows = rows(2, temperature=0.9) + [row] + rows(3, temperature=0.0)
-                got.append(sampler.sample(logits.clone(), batch_rows)[2])
+                got.append(sampler.sample(logits.clone(), batch_rows).token_ids[2])
             else:
-                got.append(sampler.sample(logits[2:3].clone(), [row])[0])
+                got.append(sampler.sample(logits[2:3].clone(), [row]).token_ids[0])
         return got
 
     assert run(batch=False) == run(batch=True)
@@ -96,4 +96,4 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
 def test_suppressed_tokens_are_never_sampled() -> None:
     """min_tokens masking: a suppressed token loses even when it is the argmax."""
     logits = torch.tensor([[0.0, 10.0, 0.0, 1.0]])
-    assert Sampler().sample(logits.clone(), rows(1, temperature=0.0, suppressed=frozenset({1}))) == [3]
+    assert Sampler().sample(logits.clone(), rows(1, temperature=0.0, suppressed=frozenset({1}))).token_ids == [3]

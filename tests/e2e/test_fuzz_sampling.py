@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -37,7 +38,15 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from troupe import LLM, AsyncLLM, InvalidInputError, RequestOutput, RequestOutputKind, SamplingParams
+from troupe import (
+    LLM,
+    AsyncLLM,
+    InvalidInputError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # hundreds of requests through the engine
 
@@ -49,14 +58,15 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,", "Writ
 STOP_STRINGS = [" ", "e", "the", ".", "\n", ",", "a", "is", "<|im_end|>"]
 COMMON_IDS = [2, 0, 1, 28, 30, 216, 260, 253, 314, 357, 198]  # eos/specials, punctuation, frequent words
 KINDS = list(RequestOutputKind)
+SO = StructuredOutputsParams
 
 # field -> (valid values, invalid values). Floats include NaN/inf, ints the int64 edges, bools where
 # numbers are expected and numbers where bools are.
 FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "n": ([1], [0, True, 1.0]),  # n > 1: tests/facades/test_parallel_sampling.py
-    "presence_penalty": ([0.0, 0], [0.5, -3.0, math.nan, "0"]),
-    "frequency_penalty": ([0.0], [1.0, math.inf, None]),
-    "repetition_penalty": ([1.0], [0.0, 1.2, math.inf, math.nan]),
+    "presence_penalty": ([0.0, 0, 0.5, -2.0, 2], [-3.0, 2.01, math.nan, "0"]),
+    "frequency_penalty": ([0.0, 1.0, -1.5], [2.5, math.inf, None]),
+    "repetition_penalty": ([1.0, 1.2, 0.5, 3], [0.0, -1.0, math.inf, math.nan]),
     "temperature": ([0.0, 0, 1e-6, 0.005, 0.3, 0.7, 1.0, 1.5, 2, 1e6],
                     [-0.1, -math.inf, math.inf, math.nan, "1", True, None]),
     "top_p": ([1.0, 1, 0.9, 0.5, 0.05, 1e-9], [0.0, -0.5, 1.01, math.nan, math.inf, None, True]),
@@ -70,8 +80,14 @@ FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "ignore_eos": ([False, True], [0, 1, None, "yes"]),
     "max_tokens": ([1, 2, 3, 4, 5, 6, None], [0, -1, I64, 1.0, True, "3"]),
     "min_tokens": ([0, 1, 2, 3, 5], [-1, I64, 1.5, True, None]),
-    "logprobs": ([None], [0, 1, 5]),
-    "prompt_logprobs": ([None], [0, 3]),
+    "logprobs": ([None, 0, 1, 5, 20], [-2, 21, 1.5, True]),
+    "prompt_logprobs": ([None, 0, 3], [-2, 25, "1"]),
+    "logit_bias": ([None, {}, {260: 5.0}, {"28": -100}, {2: 1e9}, {VOCAB - 1: -0.5}],
+                   [{-1: 1.0}, {VOCAB: 1.0}, {1: math.nan}, [1], {"x": 1}]),
+    "allowed_token_ids": ([None, [1000, 1001, 1002, 5000], [7777]], [[], [VOCAB], [-1], "1"]),
+    "bad_words": ([None, [], ["the"], "e", ["hello world"]], [[""], [5], 5]),
+    "structured_outputs": ([None, SO(choice=["yes", "no"]), SO(regex="[a-z]{1,3}"), SO(json={"type": "integer"})],
+                           [SO(regex="("), SO(grammar="root ::= nothing"), {"regex": "a"}]),
     "detokenize": ([True, False], [1, None]),
     "skip_special_tokens": ([True, False], ["no", 0]),
     "spaces_between_special_tokens": ([True, False], [None, 1]),
@@ -183,7 +199,7 @@ def run_batch(llm: LLM, tokenizer: Any, cases: list[Case]) -> None:
         if case.invalid:
             TOTALS.invalid += 1
             assert case.error is not None, f"accepted: {case}"
-            assert case.error.field in case.invalid, (case.error, case)
+            assert case.error.field.split(".")[0] in case.invalid, (case.error, case)
             assert not case.outputs
         else:
             TOTALS.valid += 1
@@ -200,8 +216,10 @@ def check_valid(case: Case, tokenizer: Any, eos: set[int]) -> None:
     assert outs and outs[-1].finished and not any(o.finished for o in outs[:-1]), case
     final = outs[-1]
     c = final.outputs[0]
+    TOTALS.finish[str(c.finish_reason)] = TOTALS.finish.get(str(c.finish_reason), 0) + 1
+    if p.structured_outputs is not None and check_structured(case, final):
+        return
     assert final.error is None and c.finish_reason in ("stop", "length"), (final, case)
-    TOTALS.finish[c.finish_reason] = TOTALS.finish.get(c.finish_reason, 0) + 1
     # the stream its output kind promises
     if p.output_kind is RequestOutputKind.FINAL_ONLY:
         assert len(outs) == 1
@@ -247,6 +265,30 @@ def check_valid(case: Case, tokenizer: Any, eos: set[int]) -> None:
         assert text == tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens), (text, case)
 
 
+def check_structured(case: Case, final: RequestOutput) -> bool:
+    """A structured request: it ends on its grammar's end (the model's EOS, even with ignore_eos) with
+    matching text, or at length, or, when the grammar and the other masks (min_tokens, allowed_token_ids,
+    bad_words) leave no token, fails with "every token is masked"; True when that settled it (else the
+    generic checks apply)."""
+    p, c = case.params, final.outputs[0]
+    assert p is not None and p.structured_outputs is not None
+    spec = p.structured_outputs
+    if c.finish_reason == "error":
+        assert "masked" in (final.error or ""), (final, case)
+        return True
+    assert final.error is None and c.finish_reason in ("stop", "length"), (final, case)
+    if c.finish_reason == "stop" and p.detokenize and p.output_kind is not RequestOutputKind.DELTA:
+        if not isinstance(c.stop_reason, str):
+            text = c.text
+            if spec.choice is not None:
+                assert text in spec.choice, (text, case)
+            elif spec.regex is not None:
+                assert re.fullmatch(spec.regex, text), (text, case)
+            else:
+                int(text)
+    return c.finish_reason == "stop" and c.stop_reason is None
+
+
 # ---------------------------------------------------------------------- the tests
 
 
@@ -289,7 +331,7 @@ def test_every_field_alone(llm: LLM, tokenizer: Any) -> None:
 def cases(draw: st.DrawFn) -> Case:
     """A combination: 0-2 invalid fields (most cases valid), every other field default or valid."""
     names = list(FIELDS)
-    n_invalid = draw(st.sampled_from([0, 0, 0, 1, 1, 2]))
+    n_invalid = draw(st.sampled_from([0, 0, 0, 0, 0, 1, 1, 2]))
     bad = draw(st.lists(st.sampled_from(names), min_size=n_invalid, max_size=n_invalid, unique=True))
     fields: dict[str, Any] = {}
     for name in names:

@@ -170,23 +170,23 @@ def test_batch_prompts(client: openai.OpenAI) -> None:
 
 
 _COMPLETION_ERRORS = [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -0.5}, "frequency_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"logit_bias": {"five": 1.0}}, "logit_bias"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"min_p": 2.0}}, "min_p"),
-    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
     ({"extra_body": {"stop_token_ids": [10**7]}}, "stop_token_ids"),
     ({"extra_body": {"min_tokens": 50}, "max_tokens": 5}, "min_tokens"),
-    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"extra_body": {"cache_salt": "x"}}, "cache_salt"),
+    ({"extra_body": {"request_id": "has space"}}, "request_id"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [1] * 3000}, "prompt"),
     ({"prompt": ""}, "prompt"),
@@ -196,7 +196,7 @@ _COMPLETION_ERRORS = [
 
 @pytest.mark.parametrize(("kwargs", "param"), _COMPLETION_ERRORS, ids=[p for _, p in _COMPLETION_ERRORS])
 def test_completion_errors_are_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
-    """Bad or unsupported values raise openai.BadRequestError with `param` set; nothing is ignored."""
+    """Bad or unsupported values raise openai.BadRequestError with `param` set."""
     kw: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**kw)
@@ -204,23 +204,29 @@ def test_completion_errors_are_400_naming_the_field(client: openai.OpenAI, kwarg
     assert param in err.value.message or param in str(err.value.body)
 
 
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 _CHAT_ERRORS = [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"n": 3}, "n"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs=true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
     ({"messages": []}, "messages"),
     ({"extra_body": {"priority": 1}}, "priority"),
+    ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),  # not trusted by default
+    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),  # with add_generation_prompt
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "param"), _CHAT_ERRORS, ids=[p for _, p in _CHAT_ERRORS])
 def test_chat_errors_are_400_naming_the_field(client: openai.OpenAI, kwargs: dict[str, Any], param: str) -> None:
-    """Unsupported chat features (tools, JSON mode, logprobs, images) are refused, not ignored."""
+    """Bad or unsupported chat fields (images, inconsistent tool choice, ...) are refused, not ignored."""
     kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**kw)
@@ -300,7 +306,7 @@ _BAD_BODIES = [
     ("/v1/completions", b'{"prompt": [[1, "a"]]}', 400, "prompt[0][1]"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages[0].role"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "x": 1}]}', 400, "messages[0].x"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": "2"}', 400, "n"),
     ("/tokenize", b'{"prompt": "a", "messages": []}', 400, "prompt"),
 ]
 

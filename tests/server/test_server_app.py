@@ -8,106 +8,21 @@ an error in the middle of a stream, and that a client disconnect closes the engi
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
 import msgspec
 import pytest
+from server_fakes import FakeEngine, delta, make_app, serving
 from starlette.applications import Starlette
 from starlette.types import Message
 
-from troupe.config import EngineConfig
 from troupe.errors import EngineDeadError
-from troupe.messages import SchedulerStats
-from troupe.outputs import CompletionOutput, RequestOutput
-from troupe.sampling_params import SamplingParams
-from troupe.server.app import build_app
+from troupe.server.chat import ChatCompletionRequest
 from troupe.server.errors import to_api_error
-from troupe.server.protocol import ChatCompletionRequest, CompletionRequest, reject_unsupported
-from troupe.server.state import ServerSettings
-
-
-def delta(text: str, token: int, finish: str | None = None) -> RequestOutput:
-    return RequestOutput("r", text, [1, 2, 3], [CompletionOutput(0, text, [token], finish_reason=finish)],
-                         finished=finish is not None)
-
-
-class FakeEngine:
-    """Yields `script` (outputs, or an exception to raise at that point); records what was closed."""
-
-    def __init__(self, script: Sequence[RequestOutput | BaseException], *, dead: bool = False,
-                 block_after: int | None = None) -> None:
-        self.config = EngineConfig(model="fake")
-        self.script = script
-        self.dead = dead
-        self.block_after = block_after  # wait forever after this many outputs (a long generation)
-        self.started = anyio.Event()
-        self.closed: list[str] = []
-        self.aborted: list[str] = []
-
-    @property
-    def errored(self) -> bool:
-        return self.dead
-
-    @property
-    def dead_error(self) -> EngineDeadError:
-        return EngineDeadError("EngineCore died: injected")
-
-    @property
-    def engine_stats(self) -> dict[int, SchedulerStats]:
-        return {0: SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.25)}
-
-    async def check_health(self) -> None:
-        if self.dead:
-            raise self.dead_error
-
-    def get_tokenizer(self) -> Any:
-        raise NotImplementedError
-
-    async def abort(self, request_id: str | Sequence[str]) -> None:
-        self.aborted.extend([request_id] if isinstance(request_id, str) else request_id)
-
-    async def generate(self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput]:
-        finished = False
-        try:
-            for i, item in enumerate(self.script):
-                if self.block_after is not None and i == self.block_after:
-                    self.started.set()
-                    await anyio.sleep_forever()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.closed.append(str(request_id))
-
-    def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, *, add_generation_prompt: bool = True,
-             priority: int = 0) -> AsyncGenerator[RequestOutput]:
-        return self.generate("", sampling_params, request_id, priority=priority)
-
-
-def make_app(engine: FakeEngine) -> Starlette:
-    @asynccontextmanager
-    async def open_engine() -> AsyncIterator[FakeEngine]:
-        yield engine
-
-    return build_app(ServerSettings(served_model_names=["fake"]), open_engine)
-
-
-@asynccontextmanager
-async def serving(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
-    app = make_app(engine)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-            yield client
-
+from troupe.server.fields import reject_unsupported
+from troupe.server.protocol import CompletionRequest
 
 SCRIPT = [delta("Hel", 5), delta("lo", 6), delta("!", 7, "length")]
 
@@ -235,17 +150,21 @@ async def test_draining_refuses_new_work_and_abort_all_ends_streams() -> None:
             assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
 
 
+_CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
-    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, "modalities"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "cache_salt": "salt"}, "cache_salt"),
+    ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({**_CHAT, "store": True}, "store"),
+    ({**_CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ({**_CHAT, "functions": [{"name": "f"}]}, "functions"),
 ])
 def test_unsupported_values_are_named(body: dict[str, Any], param: str) -> None:
-    """A non-neutral value of a field troupe does not implement is a 400 naming that field."""
+    """A non-neutral value of a field troupe knows but cannot honour is a 400 naming that field."""
     kind = ChatCompletionRequest if "messages" in body else CompletionRequest
     with pytest.raises(Exception) as err:
         reject_unsupported(msgspec.convert(body, kind))
@@ -254,13 +173,14 @@ def test_unsupported_values_are_named(body: dict[str, Any], param: str) -> None:
 
 
 @pytest.mark.parametrize("body", [
-    {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "user": "u"},
-    {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
-     "top_logprobs": 0, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
+    {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "user": "u",
+     "use_beam_search": False, "length_penalty": 1.0, "vllm_xargs": {}, "stream_interval": 1},
+    {**_CHAT, "tool_choice": "none", "response_format": {"type": "text"}, "logprobs": False,
+     "top_logprobs": 0, "store": False, "service_tier": "auto", "parallel_tool_calls": True, "modalities": ["text"]},
 ])
 def test_neutral_values_are_accepted(body: dict[str, Any]) -> None:
-    """Clients that send OpenAI's defaults explicitly are served."""
+    """Clients that send OpenAI's and vLLM's defaults explicitly are served."""
     kind = ChatCompletionRequest if "messages" in body else CompletionRequest
     req = msgspec.convert(body, kind)
     reject_unsupported(req)
-    req.sampling_params()
+    req.sampling_params({})

@@ -160,7 +160,7 @@ class InputProcessor:
         try:
             req = build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
                                 external_id=sub.external_id, priority=sub.priority,
-                                data_parallel_rank=sub.data_parallel_rank)
+                                data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer)
             if sub.abandoned:
                 return
             sub.stream, to_send = self._table.register(req, text, share_prefill_tokens=self.share_prefill_tokens)

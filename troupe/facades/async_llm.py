@@ -34,6 +34,8 @@ from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, s
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
+from troupe.models.generation_config import read_generation_defaults
+from troupe.models.loader import resolve_model_path
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import SamplingParams, check_utf8
 
@@ -50,6 +52,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         self._make_core = make_core
         self._graph: Graph | None = None
         self._stopped = False
+        self._generation_defaults: dict[str, Any] | None = None
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[AsyncLLM]:
@@ -108,6 +111,22 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     def get_tokenizer(self) -> Any:
         return self._running_graph().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length the engines serve (the model's, or `max_model_len` when set)."""
+        limits = self._running_graph().limits
+        assert limits is not None
+        return limits.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The sampling defaults of the model's `generation_config.json` (`SamplingParams` field ->
+        value; see `troupe.models.generation_config`): what a request leaves unset gets these."""
+        if self._generation_defaults is None:
+            self._running_graph()
+            self._generation_defaults = read_generation_defaults(resolve_model_path(self.config.model))
+        return dict(self._generation_defaults)
 
     @property
     def engine_stats(self) -> dict[int, SchedulerStats]:

@@ -28,6 +28,8 @@ Contract:
   consumer's stream) gets each of its outputs put there, its abort's final output too, and on
   `fail_all` the error; the returned outputs are the same objects, for the caller to read (log)
   at once, not to keep. Without a queue (offline use, tests) the returned outputs are all there is.
+- Logprobs (when asked) are kept and sliced by `troupe.output.logprobs.LogprobsState`, aligned with
+  the token ids (`RequestState.make_output` puts them on each output).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from troupe.errors import InvalidInputError
 from troupe.messages import AddRequest, EngineCoreOutput, FinishReason
 from troupe.output.collector import OutputSink
 from troupe.output.detokenizer import make_detokenizer
+from troupe.output.logprobs import TokenTexts, make_logprobs_state
 from troupe.output.parallel import ParentRequest, child_id
 from troupe.output.state import RequestState
 from troupe.outputs import RequestOutput
@@ -72,6 +75,7 @@ class OutputProcessor:
         self._states: dict[str, RequestState] = {}
         self._by_external: dict[str, list[str]] = {}
         self._parents: dict[str, ParentRequest] = {}  # n > 1, by the parent's internal id
+        self._token_texts: dict[int, TokenTexts] = {}  # decode([id]) caches for logprobs, per tokenizer
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -153,6 +157,7 @@ class OutputProcessor:
             queue if parent is None else parent.queue,
             index,
             parent,
+            make_logprobs_state(self.tokenizer, params, self._token_texts),
         )
         self._by_external.setdefault(external_id, []).append(request_id)
 
@@ -214,7 +219,9 @@ class OutputProcessor:
             state.record(eco, now, engine_index)
             finish_reason = eco.finish_reason
             stop_reason = eco.stop_reason
-            try:  # this request's own failure (detokenizer, stop strings) fails it alone
+            try:  # this request's own failure (detokenizer, stop strings, logprobs) fails it alone
+                if state.logprobs is not None:
+                    state.logprobs.update(eco)
                 stop_string = state.detokenizer.update(new_ids, finish_reason is _STOP, finish_reason is not None)
                 if stop_string is not None:
                     if finish_reason is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from troupe.messages import EngineCoreOutput, FinishReason
 from troupe.output.collector import OutputSink
 from troupe.output.detokenizer import IncrementalDetokenizer
+from troupe.output.logprobs import LogprobsState
 from troupe.output.parallel import ParentRequest
 from troupe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from troupe.sampling_params import RequestOutputKind
@@ -31,6 +32,7 @@ class RequestState:
         "queue",
         "index",
         "parent",
+        "logprobs",
     )
 
     def __init__(
@@ -45,6 +47,7 @@ class RequestState:
         queue: OutputSink | None = None,
         index: int = 0,
         parent: ParentRequest | None = None,
+        logprobs: LogprobsState | None = None,
     ) -> None:
         self.request_id = request_id
         self.external_id = external_id
@@ -57,6 +60,7 @@ class RequestState:
         self.queue = queue
         self.index = index  # the sample number (n > 1: the child's index)
         self.parent = parent
+        self.logprobs = logprobs  # None unless the request asked for logprobs or prompt logprobs
 
     def record(self, eco: EngineCoreOutput, now: float, engine_index: int | None) -> None:
         """Timing, token counts, prefix-cache hits and preemptions of one engine output."""
@@ -76,7 +80,17 @@ class RequestState:
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
         error: str | None = None,
     ) -> RequestOutput | None:
-        """The output to deliver after this step, or None when there is nothing to say yet."""
+        """The output to deliver after this step, or None when there is nothing to say yet; with the
+        request's logprobs on it, sliced for its output kind."""
+        out = self._make_output(new_token_ids, finish_reason, stop_reason, error)
+        if out is not None and self.logprobs is not None:
+            self.logprobs.attach(out)
+        return out
+
+    def _make_output(
+        self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
+        error: str | None,
+    ) -> RequestOutput | None:
         finished = finish_reason is not None
         kind = self.output_kind
         if kind is _FINAL_ONLY and not finished:
