@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from troupe.config import DEFAULT_MODEL, EngineConfig
+from troupe.config import DEFAULT_MODEL, KERNEL_SETS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 from troupe.structured import StructuredOutputsParams
@@ -29,18 +29,26 @@ from troupe.structured import StructuredOutputsParams
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face style folder, or the default model's name")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a Hugging Face style folder, a .gguf file, or the default model's name")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs; auto: CUDA when torch sees a GPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA, the share of the GPU's memory the engine may use (the KV cache gets the rest)")
     g.add_argument("--enforce-eager", action="store_true", help="on CUDA, no CUDA graphs for decode steps")
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations) or expand them "
+                        "to float32 (dequantize); auto: gguf for a .gguf file")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pool's dtype (auto: float16 with the cpu kernels, the model's dtype with eager)")
+    g.add_argument("--kernels", default="auto", choices=KERNEL_SETS,
+                   help="the kernel set (auto: the compiled cpu kernels where they build, else eager torch)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
@@ -75,11 +83,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, device=args.device,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                kv_cache_dtype=args.kv_cache_dtype, kernels=args.kernels,
                 enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.scheduling_policy,
                 num_threads=args.num_threads, multiprocess=not args.in_process,
                 data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,

@@ -17,6 +17,8 @@ RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install
 KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" takes the best set for the device
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # docs/sampling.md
 DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
+QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8")  # troupe.models.loader.resolve_quantization
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype; "auto": the kernel set's choice
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -34,6 +36,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --- CUDA (docs/kernels.md, "Running on a GPU")
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (weights, activations, KV)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # GGUF weights (docs/kernels.md): "auto" (a GGUF keeps its blocks, a folder its dtype), "dequantize"
+    # (expand to float32 at load: the reference), "gguf" (blocks, float32 activations), "gguf-q8" (blocks,
+    # 8-bit activations: needs kernels="cpu")
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; "auto": cpu set float16, eager set the model's dtype
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority" (lower `priority` value first, then arrival)
     seed: int = 0
@@ -85,6 +92,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("gpu_memory_utilization", f"must be a fraction in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise InvalidInputError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidInputError("kv_cache_dtype", f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        # the eager set's pool is in the model's dtype (with dtype "auto" it checks once that is known)
+        if self.kernels == "eager" and self.dtype != "auto" and self.kv_cache_dtype not in ("auto", self.dtype):
+            raise InvalidInputError("kv_cache_dtype", f"the eager kernel set keeps the KV pool in the model's dtype: "
+                                    f"must be 'auto' or dtype ({self.dtype!r}) with kernels='eager', "
+                                    f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -61,3 +61,19 @@ def test_bad_isa_is_refused(monkeypatch):
     monkeypatch.setenv("TROUPE_CPU_ISA", "sse2")
     with pytest.raises(build.BuildError, match="TROUPE_CPU_ISA"):
         build.isa()
+
+
+@needs_build
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
+    """A stale cpp_extension lock file (left by a build killed before it finished) is cleared by the next
+    build instead of making it wait forever."""
+    monkeypatch.setenv("TROUPE_CACHE_DIR", str(tmp_path))
+    paths = [build.CSRC / "probe.cpp"]
+    folder = build._cache_root() / build._build_key("probe", paths, [*build.BASE_FLAGS, *build.ISA_FLAGS[build.isa()]])
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # what a killed build leaves
+    code = "from troupe.kernels.cpu import build; build.build('probe', ('probe.cpp',)); print('built')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TROUPE_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "built" and not (folder / "lock").exists()

@@ -14,6 +14,7 @@ from troupe.core.sampler import Sampler, make_sampler
 from troupe.errors import InvalidInputError
 from troupe.kernels import select
 from troupe.kernels.base import KVSpec, flatten_step
+from troupe.kernels.cpu import available as cpu_available
 from troupe.kernels.cuda.graphs import capture_order, capture_sizes, graph_size_for
 from troupe.kernels.cuda.kernel_set import CudaKernels
 from troupe.kernels.cuda.step_buffers import StepBuffers
@@ -160,12 +161,12 @@ def test_profile_step_is_the_largest_the_scheduler_makes() -> None:
 
 
 def test_device_and_kernel_choice_without_a_gpu() -> None:
-    """Without CUDA: "auto" is the CPU and the eager set; device="cuda" and kernels="cuda" (on a device that
+    """Without CUDA: "auto" is the CPU and its best set (the compiled cpu set where it builds); device="cuda" and kernels="cuda" (on a device that
     is not CUDA) are InvalidInputErrors naming the field; kernels="cuda" with device="cpu" is the
     interpreter's test-only mode."""
     assert not torch.cuda.is_available()
     assert select.resolve_device(EngineConfig()) == torch.device("cpu")
-    assert select.select_kernels(EngineConfig()).name == "eager"
+    assert select.select_kernels(EngineConfig()).name == ("cpu" if cpu_available() else "eager")
     with pytest.raises(InvalidInputError, match="device") as err:
         select.resolve_device(EngineConfig(device="cuda"))
     assert err.value.field == "device" and "torch.cuda.is_available" in str(err.value)
@@ -179,7 +180,7 @@ def test_device_and_kernel_choice_without_a_gpu() -> None:
 
 def test_device_and_kernel_choice_with_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where torch sees a GPU: "auto" is CUDA, the cuda set and bfloat16; the CPU sets are refused on
-    CUDA, naming kernels and the device; device="cpu" still picks the eager set. (No GPU is touched:
+    CUDA, naming kernels and the device; device="cpu" still picks a CPU set. (No GPU is touched:
     the kernel set allocates nothing until the pool.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert select.resolve_device(EngineConfig()) == torch.device("cuda")
@@ -192,7 +193,7 @@ def test_device_and_kernel_choice_with_a_gpu(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(InvalidInputError) as err:
             select.select_kernels(EngineConfig(kernels=name))
         assert err.value.field == "kernels" and "'cuda'" in str(err.value)
-    assert select.select_kernels(EngineConfig(device="cpu")).name == "eager"
+    assert select.select_kernels(EngineConfig(device="cpu")).name == ("cpu" if cpu_available() else "eager")
 
 
 def test_one_sampler_for_every_device() -> None:

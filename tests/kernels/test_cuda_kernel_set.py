@@ -2,8 +2,8 @@
 `kernels="cuda", device="cpu"`): a tiny random Llama's logits through the real `ModelRunner` match
 transformers' and the eager set's over a mixed prefill / decode schedule, decode steps padded in the
 CUDA-graph layout give the same logits and write nothing for their padding rows, and a real engine on
-that set generates the eager engine's greedy tokens. Kept small: the interpreter runs each program in
-Python."""
+that set generates the eager engine's greedy tokens; a GGUF model on the set is expanded to the model's
+dtype when it binds. Kept small: the interpreter runs each program in Python."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from troupe.core.batch import ScheduledSeq
 from troupe.core.model_runner import ModelRunner
 from troupe.errors import InvalidInputError
 from troupe.kernels.cuda.kernel_set import CudaKernels
+from troupe.kernels.quant import QType, QuantizedTensor
+from troupe.testing.models import make_tiny_gguf
 
 SEQS = [
     [5, 100, 2000, 7, 8, 9, 10, 11, 12, 13, 14],
@@ -43,8 +45,9 @@ def hf_logits(tiny_llama: Path) -> list[torch.Tensor]:
 
 
 def runner(folder: Path, kernels: str, **options: object) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=str(folder), dtype="float32", block_size=BS, num_kv_blocks=48,
-                                    max_model_len=256, kernels=kernels, device="cpu", **options))
+    options = {"dtype": "float32", **options}
+    return ModelRunner(EngineConfig(model=str(folder), block_size=BS, num_kv_blocks=48, max_model_len=256,
+                                    kernels=kernels, device="cpu", **options))  # type: ignore[arg-type]
 
 
 def tables(seed: int) -> list[list[int]]:
@@ -220,3 +223,32 @@ def test_gpu_pool_sizing_runs_the_profile_and_logs(tiny_llama: Path, device: tor
         cuda._size_gpu_pool(EngineConfig(model=str(tiny_llama), gpu_memory_utilization=0.05, max_num_seqs=4,
                                          max_num_batched_tokens=16), spec)
     assert err.value.field == "gpu_memory_utilization" and "16-token step" in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_gguf_model_on_the_cuda_set_is_dequantized_to_its_dtype(tmp_path: Path, device: torch.device,
+                                                                dtype: str) -> None:
+    """A GGUF (Q4_1 projections, Q8_0 embedding and tied head, like the default model) on the cuda set: the
+    blocks stay QuantizedTensors in the model, the set expands each to the model's dtype once at bind
+    (float32 for "auto" on the CPU, bfloat16 when asked; a GGUF on the CPU sets must compute in float32),
+    and the logits over a mixed step are transformers' on the same dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    gguf_path, hf = make_tiny_gguf(tmp_path, default_qtype=QType.Q4_1, qtypes={"token_embd": QType.Q8_0})
+    seqs = [s[:6] for s in SEQS]
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(hf, local_files_only=True, dtype=torch.float32)
+        want = torch.stack([model(torch.tensor([s])).logits[0, -1] for s in seqs])
+    cuda = runner(gguf_path, "cuda", dtype=dtype)
+    expect = torch.float32 if dtype == "auto" else torch.bfloat16
+    assert isinstance(cuda.kernels, CudaKernels) and cuda.info.dtype == expect
+    assert cuda.model is not None and isinstance(cuda.model.embed, QuantizedTensor)
+    assert isinstance(cuda.model.layers[0].qkv_w, QuantizedTensor)
+    blocks = tables(seed=2)
+    got = cuda.execute([ScheduledSeq(str(i), s, 0, blocks[i], True) for i, s in enumerate(seqs)])
+    tol = 1e-4 if dtype == "auto" else 0.05 * float(want.abs().max())
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=1e-3 if dtype == "auto" else 0.05)
+    if dtype == "bfloat16":
+        with pytest.raises(InvalidInputError, match="float32"):  # the CPU sets keep blocks in float32 only
+            ModelRunner(EngineConfig(model=str(gguf_path), dtype="bfloat16", kernels="eager", device="cpu",
+                                     num_kv_blocks=8))

@@ -1,11 +1,13 @@
-"""Greedy equality with Hugging Face transformers on the default model (float32, same weights).
+"""Greedy equality with Hugging Face transformers on the default model (float32, same weights: troupe runs
+the GGUF, transformers the folder it converts to).
 
 16 prompts of 5..300 tokens go into one EngineCore together, so chunked prefill and mixed
 prefill/decode steps happen; 32 new tokens each. Every sequence must equal HF's greedy output, or,
 at its first divergence, each side's token must be in the other's top-5 (the near-tie rule of
 vLLM's own tests); at least 90% must be exactly equal. The same holds with tiny blocks and a
 64-token budget, with a KV pool small enough to force preemption, and with prefix caching on a
-shared system prompt.
+shared system prompt. Each runs with the eager kernel set and with the compiled cpu set in its default
+configuration (float16 KV pool).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
 from troupe.core.engine_core import EngineCore
 from troupe.messages import AddRequest
-from troupe.models.loader import load_tokenizer, resolve_model_path
+from troupe.models.default_model import ensure_default_model
+from troupe.models.loader import load_tokenizer
 from troupe.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the default model in troupe and in transformers
@@ -42,11 +45,16 @@ SYSTEM = ("You are a careful assistant. Answer briefly and precisely, cite the f
 class Oracle:
     tokens: list[list[int]]  # HF greedy continuation per prompt
     top5: list[list[set[int]]]  # HF top-5 at each generated position
+    logits: list[torch.Tensor]  # HF logits at each generated position, (NEW_TOKENS, vocab) per prompt
+
+
+_ORACLES: dict[tuple[tuple[int, ...], ...], Oracle] = {}  # one HF run per prompt set and test session
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Any:
-    return resolve_model_path(None)
+    """The default model's GGUF expanded to an HF float32 folder: transformers' copy of troupe's weights."""
+    return ensure_default_model()
 
 
 def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[list[int]]:
@@ -60,11 +68,19 @@ def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[l
 
 
 def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
+    """transformers' greedy run on `prompts` (computed once per session: test_gguf_equality uses it too)."""
+    key = tuple(tuple(p) for p in prompts)
+    if key not in _ORACLES:
+        _ORACLES[key] = _hf_run(model_dir, prompts)
+    return _ORACLES[key]
+
+
+def _hf_run(model_dir: Any, prompts: list[list[int]]) -> Oracle:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
-    tokens, top5 = [], []
+    tokens, top5, logits = [], [], []
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -72,7 +88,8 @@ def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             tokens.append(out.sequences[0, len(p):].tolist())
             top5.append([set(step[0].topk(5).indices.tolist()) for step in out.logits])
-    return Oracle(tokens, top5)
+            logits.append(torch.cat(out.logits).float())
+    return Oracle(tokens, top5, logits)
 
 
 def run_troupe(config: EngineConfig, prompts: list[list[int]]) -> tuple[list[list[int]], EngineCore, int]:
@@ -135,6 +152,12 @@ def oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
 BASE = dict(dtype="float32", max_model_len=2048, num_threads=2)
 
 
+@pytest.fixture(params=["eager", "cpu"])
+def kernels(request: pytest.FixtureRequest) -> str:
+    """The kernel set under test (the cpu set with its default float16 pool)."""
+    return request.param
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -143,28 +166,38 @@ BASE = dict(dtype="float32", max_model_len=2048, num_threads=2)
     ],
     ids=["default-chunks", "block4-budget64"],
 )
-def test_greedy_equals_transformers(oracle: Oracle, prompts: list[list[int]], options: dict[str, Any]) -> None:
+def test_greedy_equals_transformers(oracle: Oracle, prompts: list[list[int]], options: dict[str, Any],
+                                    kernels: str) -> None:
     """Chunked prefill and mixed steps give HF's greedy tokens (near-tie rule at divergence)."""
-    got, core, mixed = run_troupe(EngineConfig(**BASE, **options), prompts)
+    got, core, mixed = run_troupe(EngineConfig(**BASE, **options, kernels=kernels), prompts)
+    assert core.runner.kernels.name == kernels
     assert mixed > 0, "no step mixed prefill chunks with decode tokens"
     check(oracle, got, core, prompts)
 
 
-def test_greedy_equals_transformers_under_preemption(oracle: Oracle, prompts: list[list[int]]) -> None:
+def test_greedy_equals_transformers_under_preemption(oracle: Oracle, prompts: list[list[int]], kernels: str) -> None:
     """A KV pool too small for all 16 requests forces preemption; the tokens stay the same."""
     # 60 usable blocks of 16 = 960 tokens, against ~2,700 needed by all requests together
-    got, core, _ = run_troupe(EngineConfig(**BASE, max_num_batched_tokens=256, block_size=16, num_kv_blocks=61),
-                              prompts)
+    got, core, _ = run_troupe(EngineConfig(**BASE, max_num_batched_tokens=256, block_size=16, num_kv_blocks=61,
+                                           kernels=kernels), prompts)
     assert core.scheduler.num_preemptions > 0
     check(oracle, got, core, prompts)
 
 
-def test_greedy_equals_transformers_with_prefix_caching(model_dir: Any) -> None:
+@pytest.fixture(scope="module")
+def shared_prompts(model_dir: Any) -> tuple[list[list[int]], Oracle]:
+    """Prompts sharing SYSTEM, and HF's answers to them."""
+    shared = make_prompts(load_tokenizer(model_dir), [40 + 9 * i for i in range(8)], prefix=SYSTEM)
+    return shared, hf_oracle(model_dir, shared)
+
+
+def test_greedy_equals_transformers_with_prefix_caching(model_dir: Any, shared_prompts: tuple[list[list[int]], Oracle],
+                                                        kernels: str) -> None:
     """Requests sharing a long system prompt hit the prefix cache and still match HF."""
     tok = load_tokenizer(model_dir)
-    shared = make_prompts(tok, [40 + 9 * i for i in range(8)], prefix=SYSTEM)
-    oracle = hf_oracle(model_dir, shared)
-    core = EngineCore(EngineConfig(**BASE, max_num_batched_tokens=512, num_kv_blocks=512, enable_prefix_caching=True))
+    shared, oracle = shared_prompts
+    core = EngineCore(EngineConfig(**BASE, max_num_batched_tokens=512, num_kv_blocks=512, enable_prefix_caching=True,
+                                   kernels=kernels))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got: dict[str, list[int]] = {}
     cached: dict[str, int] = {}

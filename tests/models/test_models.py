@@ -284,7 +284,7 @@ def test_stale_conversion_is_replaced(tmp_path, monkeypatch):
 
 
 def test_default_model_tokenizer_and_info():
-    """The converted folder has SmolLM2's tokenizer: known ids, digits split one by one (llama.cpp's
+    """The default model (its GGUF) has SmolLM2's tokenizer: known ids, digits split one by one (llama.cpp's
     "smollm" pre-tokenizer), the ChatML template, and <|im_end|> as the only eos."""
     folder = resolve_model_path("smollm2-135m-instruct")
     assert folder == resolve_model_path(None)
@@ -311,7 +311,7 @@ def test_default_model_conversion_matches_transformers_gguf_reader():
     from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    folder = resolve_model_path(None)
+    folder = default_model.ensure_default_model()
     header = GgufHeader.from_file(str(default_model.find_default_gguf()))
     raw = load_gguf_state_dict(header)
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
@@ -353,7 +353,7 @@ def test_default_model_matches_transformers_and_answers():
     from troupe.core.batch import ScheduledSeq
     from troupe.core.model_runner import ModelRunner
 
-    folder = resolve_model_path(None)
+    folder = default_model.ensure_default_model()  # transformers' copy of the weights; troupe runs the GGUF
     tok = load_tokenizer(folder)
     questions = ["What is the capital of France?", "Name a primary color.", "Count from 1 to 5."]
     prompts = [
@@ -362,7 +362,8 @@ def test_default_model_matches_transformers_and_answers():
     ]
     ids = [tok.encode(p) for p in prompts]
     hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
-    runner = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16))
+    # a float32 pool: this checks the weights end to end (the default float16 pool: test_hf_equality)
+    runner = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, kv_cache_dtype="float32"))
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(ids))]
     with torch.inference_mode():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in ids])

@@ -9,4 +9,8 @@ the same run (figures in docs/benchmarks.md).
 - `ipc` (`python -m troupe.bench.ipc`): what the engine process boundary costs.
 - `logging_cost` (`python -m troupe.bench.logging_cost`): what logging costs offline throughput.
 - `server` (`python -m troupe.bench.server`): concurrent clients against an OpenAI-compatible server.
+- `kernels` (`python -m troupe.bench.kernels`): the CPU projection kernels on GGUF blocks against eager float32.
+- `attention` (`python -m troupe.bench.attention`): the cpu set's paged attention against the eager set's.
+- `kernel_sets` (`python -m troupe.bench.kernel_sets`): the whole engine on each kernel set, taking turns.
+- `accuracy` (`python -m troupe.bench.accuracy`): each kernel set's greedy tokens against transformers.
 """

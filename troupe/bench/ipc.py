@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("which", nargs="?", default="all", choices=["all", "offline", "null", "scheduler-only"])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="multiprocess,in-process", choices=["multiprocess,in-process",

@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--null-model", action=argparse.BooleanOptionalAction, default=True,
                    help="skip the model (default); --no-null-model runs the real one")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -104,7 +104,8 @@ def peak_child_rss_gib() -> float:
 
 
 def troupe_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kernels=args.kernels,
+                max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                 enable_prefix_caching=False, multiprocess=args.multiprocess, device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
@@ -180,15 +181,24 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from troupe.models.default_model import ensure_default_model, find_default_gguf
+        from troupe.models.gguf import is_gguf
         from troupe.models.loader import resolve_model_path
 
         if args.threads:
             torch.set_num_threads(args.threads)
         path = resolve_model_path(args.model)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
+        extra: dict[str, Any] = {}
+        if path == find_default_gguf():  # transformers reads the same weights from the converted folder
+            path = ensure_default_model()
+        elif is_gguf(path):  # transformers' own GGUF reader (expands to float)
+            extra, path = {"gguf_file": path.name}, path.parent
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
         self.device = torch.device(args.device)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        # "auto": bfloat16 on CUDA (as troupe there), float32 on the CPU (a GGUF computes in float32)
+        bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and self.device.type == "cuda")
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **extra)
         self.model = model.to(self.device).eval()
         self.prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -229,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m troupe.bench.offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: float32 for a GGUF model (the default one)")
+    p.add_argument("--quantization", default="auto", help="GGUF weights: auto, gguf, gguf-q8, dequantize")
+    p.add_argument("--kernels", default="auto", help="kernel set: auto, eager, cpu")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--min-len", type=int, default=20)
     p.add_argument("--max-len", type=int, default=400)

@@ -61,7 +61,7 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model)
         self.null_model = config.null_model
         self.device = resolve_device(config)
-        dtype = resolve_dtype(model_dtype(config, self.device))
+        dtype = resolve_dtype(model_dtype(config, self.device), self.model_path)
         self.kernels = select_kernels(config, self.device, dtype)
         self.graphs: Any = None  # troupe.kernels.cuda.graphs.DecodeGraphs once captured
         self.graph_reserve_bytes = 0  # what the pool sizing left the graphs (`gpu_memory`)
@@ -70,7 +70,7 @@ class ModelRunner:
             self.info: ModelInfo = read_model_info(self.model_path, dtype)
         else:
             self.model, self.info = load_model(self.model_path, dtype, max_len=config.max_model_len,
-                                               kernels=self.kernels)
+                                               kernels=self.kernels, quantization=config.quantization)
         self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.vocab_size = self.info.vocab_size
         self.max_num_seqs = config.max_num_seqs
@@ -88,6 +88,9 @@ class ModelRunner:
         self.kv_caches = [] if self.null_model else self.kernels.allocate_kv(self.kv_spec)
         if on_gpu and not config.enforce_eager:
             self._capture_graphs()
+        log.info("model loaded", model=str(self.model_path), kernels=self.kernels.name, device=str(self.device),
+                 dtype=str(self.info.dtype).removeprefix("torch."), num_kv_blocks=self.num_blocks,
+                 kv_cache_dtype=str(self.kernels.kv_cache_dtype(self.info.dtype)).removeprefix("torch."))
 
     def _count_blocks(self, config: EngineConfig, gpu_budget: int | None = None) -> int:
         if config.num_kv_blocks is not None:

@@ -12,7 +12,9 @@ Contract (shapes: T new tokens in the step, S sequences, H query heads, KVH kv h
 - Weights, at load time: `linear(weight (N, K), bias (N,) | None)` returns the projection
   `x (M, K) -> (M, N)` (= `F.linear`, up to summation order). The set may take the weight's storage over
   (pack it, quantize it, move it, release the dense copy): pass a tensor nothing else needs.
-  `embedding(table (V, hidden))` returns the lookup `ids (T,) -> (T, hidden)`.
+  `embedding(table (V, hidden))` returns the lookup `ids (T,) -> (T, hidden)`. Either weight may be a
+  `troupe.kernels.quant.QuantizedTensor` (GGUF blocks; never modified, so it may be shared): a set computes
+  on the blocks, or expands them once (`quant.dense`); the projection's output is then float32.
 - KV pool: `allocate_kv(spec)` returns one `(k_pool, v_pool)` pair per layer, in the layout and dtype the
   set's attention reads (`kv_cache_shape`, `kv_cache_dtype`); the scheduler and KV manager only ever see
   block ids.
@@ -39,6 +41,8 @@ from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from troupe.kernels.quant import Weight, dense
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # (M, K) -> (M, N)
 EmbeddingOp = Callable[[torch.Tensor], torch.Tensor]  # (T,) int64 -> (T, hidden)
@@ -107,6 +111,9 @@ class KernelSet(abc.ABC):
     """One implementation of the model's heavy ops (see the module docstring for the contract)."""
 
     name: ClassVar[str]
+    # True: quantized weights are expanded to the model's dtype when bound, so a GGUF model may compute in
+    # any dtype; False: projections on quantized weights take and return float32 (the model computes in it)
+    dequantizes_to_model_dtype: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -114,12 +121,14 @@ class KernelSet(abc.ABC):
     # ------------------------------------------------------------------ weights (load time)
 
     @abc.abstractmethod
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearOp:
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
         """The projection `x (M, K) -> x @ weight.T + bias (M, N)`; may take `weight`'s storage over."""
 
-    def embedding(self, table: torch.Tensor) -> EmbeddingOp:
-        """The token-embedding lookup `ids (T,) -> (T, hidden)` over `table (V, hidden)`."""
-        return lambda ids: F.embedding(ids, table)
+    def embedding(self, table: Weight) -> EmbeddingOp:
+        """The token-embedding lookup `ids (T,) -> (T, hidden)` over `table (V, hidden)` (a quantized table
+        is expanded once)."""
+        dense_table = dense(table)
+        return lambda ids: F.embedding(ids, dense_table)
 
     # ------------------------------------------------------------------ the KV pool
 

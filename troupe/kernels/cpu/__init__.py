@@ -1,17 +1,41 @@
 """The `cpu` kernel set: the model's heavy ops as compiled C++ kernels (`csrc/`, built by `build`).
 
-Work in progress: ops without a compiled kernel yet fall back to the eager set's (this class extends
-`EagerKernels`), so the set is complete at every stage and each compiled op replaces one method.
-`kernels="cpu"` selects it (an error if the kernels cannot be built here); `kernels="auto"` keeps the
-eager set until this one is the faster.
+Compiled: projections and the embedding lookup on GGUF blocks (`linear`, csrc/qmatmul*.cpp; with
+`quantize_activations`, 8-bit activations; dense weights keep the eager set's packed float32
+projection), paged attention over the pool in place (`attention`), RMSNorm, residual add + RMSNorm,
+SiLU x up, and rotary + the KV write (`fused`). The class extends `EagerKernels` for what the compiled
+ops do not replace. No decode row cache: attention reads the pool where it is.
+
+The KV pool is the set's own. Layout: V `(num_blocks, KVH, block_size, D)` (`kv_cache_shape`), K
+`(num_blocks, KVH, D, block_size)` (`k_cache_shape`): a block's keys of one kv head stored transposed, so
+one vector load brings one dimension of W consecutive keys and attention scores are broadcast-FMAs
+(csrc/attention_decode.cpp). Dtype from `EngineConfig.kv_cache_dtype`:
+"auto" is float16 (half the memory and the bandwidth of float32, converted on load with F16C; the
+greedy-equality suite holds with it, docs/kernels.md has the figures), or "float32" / "float16" /
+"bfloat16" explicitly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
+from troupe.kernels.base import EmbeddingOp, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step
+from troupe.kernels.cpu import fused
+from troupe.kernels.cpu import linear as qlinear
+from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
 from troupe.kernels.cpu.build import BuildError, load_ops
 from troupe.kernels.eager import EagerKernels
+from troupe.kernels.quant import Weight
 
-EXTENSIONS: dict[str, tuple[str, ...]] = {"probe": ("probe.cpp",)}  # extension name -> its csrc/ sources
+EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ sources
+    "probe": ("probe.cpp",),
+    "qmm": qlinear.SOURCES,
+    "attention": ("attention.cpp", "attention_decode.cpp", "attention_prefill.cpp"),
+    "fused": ("fused.cpp",),
+}
+KV_DTYPES = {"auto": torch.float16, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def available() -> bool:
@@ -20,11 +44,67 @@ def available() -> bool:
 
 
 class CpuKernels(EagerKernels):
-    """See the module docstring."""
+    """See the module docstring. `kv_cache_dtype`: a key of `KV_DTYPES`; `quantize_activations`
+    ("gguf-q8"): 8-bit activations for the projections on quantized weights."""
 
     name = "cpu"
 
-    def __init__(self, decode_row_cache_bytes: int | None = None) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto", quantize_activations: bool = False) -> None:
         if not available():
             raise BuildError("the compiled CPU kernels cannot be built here (see the warning logged above)")
-        super().__init__(decode_row_cache_bytes)
+        super().__init__(decode_row_cache_bytes=0)
+        self.kv_dtype = KV_DTYPES[kv_cache_dtype]
+        self.quantize_activations = quantize_activations
+
+    # ------------------------------------------------------------------ weights
+
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
+        return qlinear.linear(weight, bias, self.quantize_activations)
+
+    def embedding(self, table: Weight) -> EmbeddingOp:
+        return qlinear.embedding(table)
+
+    # ------------------------------------------------------------------ the KV pool
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.kv_dtype
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The V pool's shape (K's is `k_cache_shape`)."""
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def k_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, head_dim, block_size)
+
+    def allocate_kv(self, spec: KVSpec) -> list[LayerKV]:
+        """Zero-filled (K, V) pools per layer in the set's layout; no row cache."""
+        args = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        k_shape, v_shape = self.k_cache_shape(*args), self.kv_cache_shape(*args)
+        return [(torch.zeros(k_shape, dtype=self.kv_dtype), torch.zeros(v_shape, dtype=self.kv_dtype))
+                for _ in range(spec.num_layers)]
+
+    # ------------------------------------------------------------------ per step / per layer
+
+    def prepare(self, seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
+        batch = flatten_step(seqs, block_size)
+        batch.meta = CpuMetadata.of(batch.meta)
+        return batch
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.silu_and_mul(x)
+
+    def rope_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rope_cache: torch.Tensor, kv: LayerKV, meta: CpuMetadata,  # type: ignore[override]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.rope_and_cache(positions, q, k, v, rope_cache, kv, meta.slot_mapping)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
+                  meta: CpuMetadata, scale: float, layer: int) -> torch.Tensor:  # type: ignore[override]
+        return paged_attention(q, kv[0], kv[1], meta, scale)

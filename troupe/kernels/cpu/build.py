@@ -9,7 +9,8 @@ OpenMP pool (`-fopenmp`), so the kernels share torch's threads instead of fighti
 
 The cache: `<troupe cache>/kernels/<name>-<key>/`, the key hashing the sources, the flags, torch's version
 and the CPU's instruction-set flags, so a changed source, a new torch or a home directory shared with
-another kind of CPU builds anew. Concurrent first uses are safe (cpp_extension locks its build folder).
+another kind of CPU builds anew. Concurrent first uses are safe (an OS file lock per build folder, which
+also survives a build killed midway).
 
 Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
 AVX-512 code paths (`#ifdef __AVX512F__`) are taken where the CPU has them and the AVX2/FMA paths
@@ -20,6 +21,7 @@ returns False, the cause is logged once as a warning, and `kernels="auto"` runs 
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -29,6 +31,8 @@ from pathlib import Path
 
 import structlog
 import torch
+
+from troupe.paths import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-DNDEBUG")
@@ -64,7 +68,6 @@ def isa() -> str:
 
 
 def _cache_root() -> Path:
-    from troupe.models.default_model import cache_dir
 
     return cache_dir() / "kernels"
 
@@ -98,11 +101,17 @@ def build(name: str, sources: Sequence[str]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
 
-    try:
-        load(f"troupe_{name}", [str(p) for p in paths], extra_cflags=flags, extra_include_paths=[str(CSRC)],
-             extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as exc:  # cpp_extension raises RuntimeError for a failed build
-        raise BuildError(f"building the {name} kernels failed: {exc}") from exc
+    # cpp_extension's own lock is a file it deletes when done: a build killed midway leaves it behind and
+    # every later build of the folder waits for it forever. An OS lock, released when its holder dies,
+    # serializes our builds instead; whoever holds it knows a leftover `lock` file is stale.
+    with open(folder / "troupe.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            load(f"troupe_{name}", [str(p) for p in paths], extra_cflags=flags, extra_include_paths=[str(CSRC)],
+                 extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
+        except (RuntimeError, OSError, ImportError) as exc:  # cpp_extension raises RuntimeError for a failed build
+            raise BuildError(f"building the {name} kernels failed: {exc}") from exc
 
 
 @functools.cache

@@ -64,6 +64,7 @@ class CudaKernels(KernelSet):
     weights' own); `max_num_seqs` / `max_num_batched_tokens` size the step buffers."""
 
     name = "cuda"
+    dequantizes_to_model_dtype = True  # `dense_on`: a GGUF's blocks become bf16 (or the model's dtype) on the GPU
 
     def __init__(self, device: torch.device | str = "cuda", *, dtype: torch.dtype | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024) -> None:

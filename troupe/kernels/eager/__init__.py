@@ -1,7 +1,8 @@
 """The `eager` kernel set: the model's heavy ops in plain torch on the CPU.
 
 Always available, so it is the fallback when no faster set can run here. Projections are oneDNN-packed
-float32 weights where the CPU supports it (`linear.Linear`); rotary uses a (cos, sin) gather built once
+float32 weights where the CPU supports it (`linear.Linear`; quantized GGUF weights are expanded to float32
+when they are bound); rotary uses a (cos, sin) gather built once
 per step; attention gathers blocks from the pool, or reads the decodes' contiguous rows
 (`rows.DecodeRowCache`), see `attention`.
 """
@@ -12,25 +13,37 @@ from collections.abc import Sequence
 
 import torch
 
+from troupe.errors import InvalidInputError
 from troupe.kernels.base import KernelSet, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step
 from troupe.kernels.eager.attention import EagerMetadata, paged_attention
 from troupe.kernels.eager.linear import Linear
 from troupe.kernels.eager.rows import ROW_CACHE_MIN_BYTES, DecodeRowCache
+from troupe.kernels.quant import Weight, dense
 
 
 class EagerKernels(KernelSet):
     """See the module docstring. `decode_row_cache_bytes`: the row cache's budget (None: twice the pool's
-    bytes, at least `ROW_CACHE_MIN_BYTES`; 0: no row cache, decodes gather from the pool)."""
+    bytes, at least `ROW_CACHE_MIN_BYTES`; 0: no row cache, decodes gather from the pool).
+    `kv_cache_dtype` (`EngineConfig.kv_cache_dtype`): the pool is in the model's dtype, so only "auto" or
+    that dtype's name is accepted; anything else is refused when the pool is sized."""
 
     name = "eager"
 
-    def __init__(self, decode_row_cache_bytes: int | None = None) -> None:
+    def __init__(self, decode_row_cache_bytes: int | None = None, kv_cache_dtype: str = "auto") -> None:
         super().__init__("cpu")
         self.decode_row_cache_bytes = decode_row_cache_bytes
+        self.kv_dtype_option = kv_cache_dtype
         self.rows: DecodeRowCache | None = None
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearOp:
-        lin = Linear(weight, bias)
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if self.kv_dtype_option not in ("auto", str(model_dtype).removeprefix("torch.")):
+            raise InvalidInputError("kv_cache_dtype", f"the eager kernel set keeps the KV pool in the model's dtype "
+                                    f"({model_dtype}): must be 'auto' or that, got {self.kv_dtype_option!r} "
+                                    "(kernels='cpu' takes float16 / bfloat16 / float32 pools)")
+        return model_dtype
+
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
+        lin = Linear(dense(weight), bias)  # a quantized weight is expanded to float32 once, here
         lin.pack()
         return lin
 

@@ -1,0 +1,150 @@
+"""The compiled projection kernels (troupe_qmm) against the plain-torch reference, one function per check.
+
+Imported by test_cpu_linear.py for the build of this CPU, and run as a script (`python qmm_cases.py`) in a
+subprocess with TROUPE_CPU_ISA=avx2 for the AVX2/FMA baseline (a library registered under one
+TORCH_LIBRARY name loads once per process). Every weight is random valid blocks of its format
+(`troupe.kernels.quant.random_quantized`); the reference is float64 math on `QuantizedTensor.dequantize()`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
+
+FORMATS = [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+INTEGER_FORMATS = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
+ROWS = [1, 2, 7, 64, 300]  # M
+N = 37  # output columns: not a multiple of any vector width or tile
+
+
+def ops() -> object:
+    from troupe.kernels.cpu import linear
+    from troupe.kernels.cpu.build import load_ops
+
+    assert load_ops("qmm", linear.SOURCES)
+    return torch.ops.troupe_qmm
+
+
+def weight(qtype: QType, n: int = N, seed: int = 0) -> QuantizedTensor:
+    """(n, K) in `qtype`, K = 2 blocks + for K-quants (512), 5 blocks of 32 otherwise (160)."""
+    k = 512 if qtype.block_size == 256 else 160
+    w = random_quantized(qtype, n, k, torch.Generator().manual_seed(seed))
+    if isinstance(w, torch.Tensor):  # F32: the same bytes as a "quantized" tensor of blocks of one value
+        return QuantizedTensor(QType.F32, w.contiguous().view(torch.uint8).reshape(n, -1), (n, k))
+    return w
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+
+
+def check_dequantize(qtype: QType) -> None:
+    """The dequantize and embedding ops give the reference's float32 values bit for bit."""
+    w = weight(qtype)
+    ref = w.dequantize()
+    got = ops().dequantize(w.data, int(qtype), w.shape[1])
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), f"{qtype.name}: dequantize differs"
+    ids = torch.tensor([3, 0, N - 1, 3, 17])
+    rows = ops().embedding(w.data, int(qtype), w.shape[1], ids)
+    assert torch.equal(rows.view(torch.int32), ref[ids].view(torch.int32)), f"{qtype.name}: embedding differs"
+
+
+def check_linear(qtype: QType) -> None:
+    """Every path (rows, panel, chosen by M) equals x @ W.T + b up to float32 summation order, for every M,
+    with and without bias."""
+    w = weight(qtype)
+    ref = w.dequantize().double()
+    g = torch.Generator().manual_seed(1)
+    for m in ROWS:
+        x = torch.randn(m, w.shape[1], generator=g)
+        for bias in (None, torch.randn(N, generator=g)):
+            want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
+            for path in (-1, 0, 1):
+                got = ops().linear(x, w.data, int(qtype), bias, path)
+                assert got.shape == (m, N) and got.dtype == torch.float32
+                err = rel_err(got, want)
+                assert err < 1e-5, f"{qtype.name} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
+
+
+def reference_q8(x: torch.Tensor) -> torch.Tensor:
+    """x with each 32-value chunk rounded to its 8-bit grid: d = max|x| / 127, round(x / d) * d."""
+    m, k = x.shape
+    chunks = x.reshape(m, k // 32, 32)
+    d = chunks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(chunks / torch.where(d == 0, torch.ones_like(d), d))
+    return (q * d).reshape(m, k)
+
+
+def check_q8(qtype: QType) -> None:
+    """8-bit activations: the integer kernel equals float math on the 8-bit-rounded x (up to float32
+    rounding), and stays within 2% (of the largest output) of the exact projection."""
+    w = weight(qtype)
+    ref = w.dequantize().double()
+    g = torch.Generator().manual_seed(2)
+    for m in ROWS:
+        x = torch.randn(m, w.shape[1], generator=g)
+        bias = torch.randn(N, generator=g)
+        got = ops().linear_q8(x, w.data, int(qtype), bias, 0)
+        assert rel_err(got, reference_q8(x).double() @ ref.T + bias.double()) < 1e-5, f"{qtype.name} M={m}"
+        assert rel_err(got, x.double() @ ref.T + bias.double()) < 0.02, f"{qtype.name} M={m}: q8 error too large"
+
+
+def check_quantize_q8() -> None:
+    """The activation quantization: int8 values, per-chunk scales and per-16 scaled sums as the reference."""
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
+    x[1, :32] = 0.0  # an all-zero chunk: scale 0, values 0
+    q, d, ds = ops().quantize_q8(x)
+    chunks = x.reshape(5, 3, 32)
+    want_d = chunks.abs().amax(-1) / 127
+    want_q = torch.round(chunks / torch.where(want_d == 0, torch.ones_like(want_d), want_d).unsqueeze(-1))
+    assert torch.equal(d, want_d)
+    assert torch.equal(q.reshape(5, 3, 32).float(), want_q)
+    want_ds = (want_q.reshape(5, 6, 16).sum(-1) * want_d.repeat_interleave(2, dim=1))
+    assert torch.allclose(ds, want_ds, rtol=1e-6, atol=0)
+
+
+def check_float_formats_in_q8_mode() -> None:
+    """F16 / BF16 / F32 weights have no integer path: linear_q8 gives the exact float result."""
+    for qtype in (QType.F32, QType.F16, QType.BF16):
+        w = weight(qtype)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(4))
+        got = torch.ops.troupe_qmm.linear_q8(x, w.data, int(qtype), None, -1)
+        assert rel_err(got, x.double() @ w.dequantize().double().T) < 1e-5
+
+
+def check_bad_arguments() -> None:
+    """Wrong shapes and formats are errors naming the problem, not wrong answers."""
+    w = weight(QType.Q4_1)
+    x = torch.randn(2, w.shape[1])
+    for call, words in (
+        (lambda: ops().linear(x, w.data, 99, None, -1), "unknown weight format"),
+        (lambda: ops().linear(torch.randn(2, 96), w.data, int(QType.Q4_1), None, -1), "bytes"),
+        (lambda: ops().linear(x, w.data, int(QType.Q4_1), torch.randn(5), -1), "bias"),
+        (lambda: ops().embedding(w.data, int(QType.Q4_1), w.shape[1], torch.tensor([N])), "out of range"),
+    ):
+        try:
+            call()
+        except RuntimeError as e:
+            assert words in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for {words!r}")
+
+
+def main() -> None:
+    """Every check, for the build this process loads (the test runs it under TROUPE_CPU_ISA=avx2)."""
+    for qtype in FORMATS:
+        check_dequantize(qtype)
+        check_linear(qtype)
+    for qtype in INTEGER_FORMATS:
+        check_q8(qtype)
+    check_quantize_q8()
+    check_float_formats_in_q8_mode()
+    check_bad_arguments()
+    from troupe.kernels.cpu.build import isa
+
+    print(f"ok {isa()}")
+
+
+if __name__ == "__main__":
+    main()

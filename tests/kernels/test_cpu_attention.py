@@ -1,0 +1,172 @@
+"""The cpu kernel set's paged attention (`troupe.kernels.cpu.attention`) against the plain reference on
+irregular shapes, for every pool dtype; the whole file also runs on the AVX2/FMA baseline build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from troupe.kernels import reference
+from troupe.kernels.base import AttentionMetadata
+from troupe.kernels.cpu import attention, build
+
+pytestmark = [pytest.mark.timeout(600),  # the first test of a process may build the C++ extensions
+              pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags() or not build.shutil.which("c++"),
+                                reason="no AVX2/FMA/F16C CPU or no C++ compiler here")]
+
+# (tokens already cached, new tokens) per sequence: a one-token prompt, decodes at and just past block
+# boundaries (16, 32), a long decode, whole prompts, chunks after cached context, one ending on a boundary
+MIXED = [(0, 1), (15, 1), (16, 1), (31, 1), (32, 1), (100, 1), (0, 7), (13, 4), (2, 9), (16, 16), (40, 70)]
+TOL = {torch.float32: 2e-5, torch.float16: 2e-5, torch.bfloat16: 2e-5}  # the reference reads the same pool values
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The compiled kernels loaded (built once, then cached); one thread unless a test says otherwise (the
+    machine is shared), restored afterwards."""
+    from troupe.kernels.cpu import available
+
+    assert available()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_dtype=torch.float32, seed=0):
+    """Random q, pools in the cpu layout (K (NB, KVH, D, BS), V (NB, KVH, BS, D)) full of random values
+    (unused blocks too, so a wrong read shows), the step's metadata with shuffled, non-contiguous blocks,
+    and the same pools in the reference layout (NB, BS, KVH, D)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i : i + n])
+        i += n
+    k_pool = torch.randn(num_blocks, num_kv_heads, head_dim, block_size, generator=g).to(kv_dtype)
+    v_pool = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(kv_dtype)
+    T = sum(n for _, n in seqs)
+    q = torch.randn(T, num_heads, head_dim, generator=g).to(q_dtype)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(T, dtype=torch.long),  # unused by attention
+        query_start_loc=torch.tensor([0] + [n for _, n in seqs]).cumsum(0),
+        seq_lens=torch.tensor([c + n for c, n in seqs]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+    )
+    return q, k_pool, v_pool, meta, (k_pool.permute(0, 3, 1, 2).float(), v_pool.transpose(1, 2).float())
+
+
+def check(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_dtype=torch.float32, seed=0):
+    q, kp, vp, meta, (kr, vr) = make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_dtype, seed)
+    k_before, v_before = kp.clone(), vp.clone()
+    scale = head_dim**-0.5
+    out = attention.paged_attention(q, kp, vp, attention.CpuMetadata.of(meta), scale)
+    ref = reference.paged_attention(q.float(), kr, vr, meta, scale)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    tol = TOL[kv_dtype] if q_dtype == torch.float32 else 2e-2  # bf16 queries: bf16 rounding of q and out
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert torch.equal(kp, k_before) and torch.equal(vp, v_before)  # attention reads the pool, never writes it
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 1), (8, 8)])
+def test_mixed_batch_matches_reference(kv_dtype, block_size, num_heads, num_kv_heads):
+    """One call for a mixed step (decodes at and just past block boundaries, a context of 1, whole
+    prompts, chunks after cached context) gives the reference's output for GQA 9/3 (the default model),
+    MQA 4/1 and MHA 8/8, block sizes 1/4 (the copying path) and 16/32, each pool dtype."""
+    check(MIXED, block_size, num_heads, num_kv_heads, 64, kv_dtype)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 72, 128, 256])
+def test_head_dims(head_dim):
+    """Head dims that are a multiple of 8 up to 256, including ones that are not a multiple of 16 (the
+    AVX-512 path's half-vector tail)."""
+    check(MIXED[:8], 16, 6, 2, head_dim, torch.float16, seed=head_dim)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_bfloat16_queries(kv_dtype):
+    """bfloat16 activations (the model's dtype) with float32 / float16 pools: the output is bfloat16 and
+    within its rounding of the reference."""
+    check(MIXED, 16, 9, 3, 64, kv_dtype, q_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_batches_of_1_and_64(batch):
+    """Decode-only steps of 1 and 64 sequences with contexts spread over several blocks."""
+    seqs = [((7 * s) % 61 + 1, 1) for s in range(batch)] if batch > 1 else [(150, 1)]
+    check(seqs, 16, 9, 3, 64, torch.float16, seed=batch)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("ctx", [33, 64, 65, 200])
+def test_split_k_matches_reference(monkeypatch, threads, ctx):
+    """A batch-1 decode split over its context (split-K pieces and their merge, forced at small sizes)
+    matches the reference on 1 and 2 threads, including pieces that end just past a block boundary."""
+    monkeypatch.setattr(attention, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(attention, "MIN_SPLIT", 16)
+    torch.set_num_threads(threads)
+    q, kp, vp, meta, (kr, vr) = make_batch([(ctx - 1, 1)], 16, 9, 3, 64, torch.float16, seed=ctx)
+    m = attention.CpuMetadata.of(meta)
+    out = attention.paged_attention(q, kp, vp, m, 0.125)
+    assert m.plan is not None
+    if threads > 1:
+        assert m.plan.merges.shape[0] == 3, "each kv head's context was split"
+    torch.testing.assert_close(out, reference.paged_attention(q, kr, vr, meta, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_plan_is_built_once_and_serves_every_layer():
+    """The first call builds the step's plan and output buffer; a second layer (other pools, other q)
+    reuses both and is exact too. The returned tensor is the step's buffer (copy it to keep it)."""
+    q, kp, vp, meta, (kr, vr) = make_batch(MIXED, 16, 9, 3, 64, torch.float16, seed=1)
+    m = attention.CpuMetadata.of(meta)
+    first = attention.paged_attention(q, kp, vp, m, 0.125).clone()
+    plan = m.plan
+    q2, kp2, vp2, _, (kr2, vr2) = make_batch(MIXED, 16, 9, 3, 64, torch.float16, seed=2)
+    second = attention.paged_attention(q2, kp2, vp2, m, 0.125)
+    assert m.plan is plan and second is plan.out
+    torch.testing.assert_close(first, reference.paged_attention(q, kr, vr, meta, 0.125), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(second, reference.paged_attention(q2, kr2, vr2, meta, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_bad_shapes_are_refused():
+    """A head dim that is not a multiple of 8, or pools in another layout, are errors naming the problem,
+    not wrong answers."""
+    q, kp, vp, meta, _ = make_batch([(3, 1)], 16, 4, 2, 20, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        attention.paged_attention(q, kp, vp, attention.CpuMetadata.of(meta), 0.2)
+    q, kp, vp, meta, _ = make_batch([(3, 1)], 16, 4, 2, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="num_blocks, KVH, D, block_size"):
+        attention.paged_attention(q, vp, vp, attention.CpuMetadata.of(meta), 0.2)
+
+
+def test_built_for_the_isa_asked_for():
+    """The kernels under test are the build TROUPE_CPU_ISA asks for: the AVX2 baseline in the subprocess
+    below, the native one (AVX-512 where the CPU has it) otherwise."""
+    from troupe.kernels.cpu import available
+
+    assert available()
+    native = "avx512" if "avx512f" in build.cpu_flags() else "avx2"
+    assert torch.ops.troupe_probe.isa() == ("avx2" if build.isa() == "avx2" else native)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # this file again on the AVX2 build, in a subprocess
+@pytest.mark.skipif(os.environ.get("TROUPE_CPU_ISA") == "avx2", reason="this is the AVX2 run itself")
+def test_avx2_baseline_passes_these_tests():
+    """Every test of this file passes on the AVX2/FMA/F16C baseline build as well (what AVX2-only
+    machines run), in a subprocess: an ISA's library can only be loaded once per process."""
+    env = {**os.environ, "TROUPE_CPU_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "1 skipped" in out.stdout

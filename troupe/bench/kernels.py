@@ -1,0 +1,139 @@
+"""`python -m troupe.bench.kernels`: the projection kernels on GGUF blocks against the eager float32 path.
+
+For each of the default model's projection shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
+576x1536, the LM head 49152x576) and each batch of M rows, it times `torch.ops.troupe_qmm.linear` (and
+`linear_q8` with --q8) on random valid blocks of each format against the eager set's oneDNN-packed float32
+projection of the same (dequantized) weight, alternating the candidates round by round so that each sees
+the same machine load, and prints medians: microseconds per call, weight bytes streamed per second
+(GB/s: the block bytes, or the float32 bytes for eager), GFLOP/s (2 M N K per call) and the speed-up over
+eager. K-quants need K to be a multiple of 256: on the 576-wide shapes they run with K = 512 (and their
+own eager baseline). The head is skipped above 64 rows (it only runs on the rows that sample a token).
+
+`--isa both` runs the whole table twice: for this CPU's build, then in a subprocess for the AVX2/FMA
+baseline, with MKL and oneDNN held to AVX2 as well (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), which is
+what an AVX2-only machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+DEFAULT_FORMATS = "Q4_1,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,F16"
+
+
+def _time(fn: Callable[[], object], budget_s: float = 0.003) -> Callable[[], float]:
+    """A sampler: each call times a batch of calls of about `budget_s`, one by one, and returns their median
+    (a call that lost its core to another process, which on a shared 2-core VM stalls a 2-thread kernel by a
+    whole scheduler slice, then moves the median of the batch little)."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t, 1e-6)
+    reps = max(1, int(budget_s / once))
+
+    def sample() -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return sample
+
+
+def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, shapes: Sequence[str]) -> None:
+    import torch
+
+    from troupe.kernels.cpu import linear as qlinear
+    from troupe.kernels.cpu.build import isa, load_ops
+    from troupe.kernels.eager.linear import Linear
+    from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
+
+    if not load_ops("qmm", qlinear.SOURCES):
+        raise SystemExit("the compiled kernels cannot be built here (see the warning above)")
+    ops = torch.ops.troupe_qmm
+    g = torch.Generator().manual_seed(0)
+    qtypes = [QType[f] for f in formats]
+    print(f"# build: {isa()}; threads: {torch.get_num_threads()}; medians of {repeats} alternating rounds "
+          f"(each the median call of a ~3 ms batch); load average {os.getloadavg()[0]:.1f}")
+    print("| shape | N x K | M | format | µs | GB/s | GFLOP/s | eager f32 µs | x eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in shapes:
+        n, k0 = SHAPES[name]
+        groups: dict[int, list[QType]] = {}
+        for q in qtypes:
+            groups.setdefault(k0 if k0 % q.block_size == 0 else k0 // 256 * 256, []).append(q)
+        for k, group in groups.items():
+            weights: dict[QType, QuantizedTensor] = {}
+            for q in group:
+                w = random_quantized(q, n, k, g)
+                if isinstance(w, QuantizedTensor):  # F32 is the eager baseline itself
+                    weights[q] = w
+            dense = next((w.dequantize() for w in weights.values()), torch.randn(n, k) * 0.1)
+            eager = Linear(dense.clone())
+            eager.pack()
+            for m in rows:
+                if name == "head" and m > 64:
+                    continue
+                x = torch.randn(m, k, generator=g)
+                cands: dict[str, Callable[[], float]] = {"eager": _time(lambda: eager(x))}  # noqa: B023
+                for q, w in weights.items():
+                    cands[q.name] = _time(functools.partial(ops.linear, x, w.data, int(q), None, -1))
+                    if q8 and q not in (QType.F16, QType.BF16):
+                        cands[q.name + " q8"] = _time(functools.partial(ops.linear_q8, x, w.data, int(q), None, -1))
+                times: dict[str, list[float]] = {c: [] for c in cands}
+                for _ in range(repeats):
+                    for c, sample in cands.items():
+                        times[c].append(sample())
+                med = {c: statistics.median(v) for c, v in times.items()}
+                flops = 2 * m * n * k
+                for c, t in med.items():
+                    if c == "eager":
+                        continue
+                    w = weights[QType[c.split()[0]]]
+                    print(f"| {name} | {n}x{k} | {m} | {c} | {t * 1e6:.0f} | {w.nbytes / t / 1e9:.1f} | "
+                          f"{flops / t / 1e9:.0f} | {med['eager'] * 1e6:.0f} | {med['eager'] / t:.2f} |", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m troupe.bench.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default=DEFAULT_FORMATS, help="comma-separated QType names")
+    p.add_argument("--rows", default="1,16,64,512", help="comma-separated M")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--q8", action="store_true", help="also time 8-bit activations (linear_q8)")
+    p.add_argument("--isa", choices=["native", "avx2", "both"], default="native")
+    args = p.parse_args(argv)
+    if args.isa in ("native", "both"):
+        _run_here(args)
+    if args.isa in ("avx2", "both"):  # a fresh process: the ISA is chosen when the library loads
+        child = ["--formats", args.formats, "--rows", args.rows, "--shapes", args.shapes, "--repeats",
+                 str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
+                 *(["--q8"] if args.q8 else []), "--isa", "native"]
+        env = {**os.environ, "TROUPE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        return subprocess.run([sys.executable, "-m", "troupe.bench.kernels", *child], env=env).returncode
+    return 0
+
+
+def _run_here(args: argparse.Namespace) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run(args.formats.split(","), [int(r) for r in args.rows.split(",")], args.repeats, args.q8,
+        args.shapes.split(","))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

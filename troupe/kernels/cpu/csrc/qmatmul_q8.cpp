@@ -1,0 +1,169 @@
+// The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk, integer dot products with the weight
+// blocks (quant_q8.h has the formats and the arithmetic). Each weight block is decoded to bytes once per
+// group of up to 4 rows of x and multiplied into all of them; N is split across threads. Batches of more
+// than Q8_MAX_M rows, and the float formats (F32/F16/BF16), take the output-exact float path
+// (qmatmul.cpp): once a decoded block is reused over several rows, float FMAs do as much per instruction
+// as the integer dot plus its per-chunk scaling (docs/kernels.md has the figures).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "quant_q8.h"
+
+at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
+                          int64_t path);
+
+namespace {
+
+using namespace troupe_quant;
+
+constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
+#if defined(__AVX512F__)
+constexpr int64_t Q8_MAX_M = 2;  // larger batches: the float path (measured crossover)
+#else
+constexpr int64_t Q8_MAX_M = 4;
+#endif
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// x (M, K) -> q (M, K) int8, d (M, K/32): the chunk scales, ds (M, K/16): d * the sums of q per 16 values
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds) {
+  const int64_t nc = K / 32;
+  at::parallel_for(0, M * nc, 256, [&](int64_t i0, int64_t i1) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = x + i * 32;  // chunk i of the flattened (M, nc) grid: rows are whole chunks
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float dd = _mm_cvtss_f32(m) / 127.0f;
+      const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // round to nearest even
+      __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * 32), _mm256_permutevar8x32_epi32(p, order));
+      d[i] = dd;
+      ds[2 * i] = dd * static_cast<float>(hsum8i(_mm256_add_epi32(qi[0], qi[1])));
+      ds[2 * i + 1] = dd * static_cast<float>(hsum8i(_mm256_add_epi32(qi[2], qi[3])));
+    }
+  });
+}
+
+template <int Q, int MB>
+void q8_rows(const int8_t* xq, const float* xd, const float* xds, int64_t K, const uint8_t* w, int64_t rb,
+             int64_t n0, int64_t n1, float* out, int64_t ldo, const float* bias) {
+  using F = Q8Fmt<Q>;
+  const int64_t nb = K / F::QK, nc = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    __m256 acc[MB];
+    float sacc[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      sacc[m] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      F::decode(row + b * F::BYTES, [&](int c, __m256i u, float a0, float a1, float b0, float b1) {
+        const int64_t ci = b * (F::QK / 32) + c;
+        __m256 a;
+        if constexpr (Q == Q6_K) {
+          a = _mm256_setr_m128(_mm_set1_ps(a0), _mm_set1_ps(a1));  // lanes 0-3: values 0..15
+        } else {
+          a = _mm256_set1_ps(a0);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const int64_t xi = m * nc + ci;
+          __m256i dot = dot32<F::SIGNED>(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + xi * 32)));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(a, _mm256_set1_ps(xd[xi])), acc[m]);
+          sacc[m] += b0 * xds[2 * xi] + b1 * xds[2 * xi + 1];
+        }
+      });
+    }
+    const float add = bias ? bias[n] : 0.0f;
+    for (int m = 0; m < MB; ++m) out[m * ldo + n] = hsum8(acc[m]) + sacc[m] + add;
+  }
+}
+
+template <int Q>
+void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, int64_t K, const uint8_t* w,
+               int64_t rb, int64_t N, float* out, const float* bias) {
+  const int64_t nc = K / 32;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += Q8_ROWS) {
+      const int8_t* q = xq + m0 * K;
+      const float* d = xd + m0 * nc;
+      const float* s = xds + 2 * m0 * nc;
+      float* o = out + m0 * N;
+      switch (std::min(Q8_ROWS, M - m0)) {
+        case 1: q8_rows<Q, 1>(q, d, s, K, w, rb, n0, n1, o, N, bias); break;
+        case 2: q8_rows<Q, 2>(q, d, s, K, w, rb, n0, n1, o, N, bias); break;
+        case 3: q8_rows<Q, 3>(q, d, s, K, w, rb, n0, n1, o, N, bias); break;
+        default: q8_rows<Q, 4>(q, d, s, K, w, rb, n0, n1, o, N, bias); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The projection with 8-bit activations; `path` -1: by M (larger batches and float formats: the float
+// path), 0: the integer kernel whatever M (tests).
+at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
+                             int64_t path) {
+  const bool integer = dispatch_q8(qtype, [](auto) {});
+  if (!integer || (path < 0 && x.size(0) > Q8_MAX_M)) return qmatmul_linear(x, w, qtype, bias, -1);
+  at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({M, K / 32}, x.options());
+  at::Tensor xds = at::empty({M, K / 16}, x.options());
+  quantize_rows(xc.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>());
+  out = at::empty({M, N}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  dispatch_q8(qtype, [&](auto q) {
+    q8_linear<decltype(q)::value>(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>(), M, K,
+                                  w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b);
+  });
+  return out;
+}
+
+// The activation quantization alone: (q int8 (M, K), d (M, K/32), ds (M, K/16)), for tests.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qmatmul_quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 32 == 0, "troupe_qmm: x must be (M, 32k) float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / 32}, x.options());
+  at::Tensor ds = at::empty({M, K / 16}, x.options());
+  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), ds.data_ptr<float>());
+  return {q, d, ds};
+}
+
+TORCH_LIBRARY_FRAGMENT(troupe_qmm, m) {
+  m.def("linear_q8(Tensor x, Tensor w, int qtype, Tensor? bias, int path) -> Tensor", &qmatmul_linear_q8);
+  m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &qmatmul_quantize_q8);
+}

@@ -1,0 +1,66 @@
+"""The `cpu` set's projections and embedding lookup: compiled kernels on GGUF blocks (`csrc/qmatmul*.cpp`).
+
+- `linear(weight, bias)`: a `QuantizedTensor` (any `QType`) computes on its blocks with
+  `torch.ops.troupe_qmm.linear` (float32 activations: the output-exact mode, `quantization="gguf"`) or
+  `linear_q8` (8-bit activations, `"gguf-q8"`: integer dot products for decode-sized batches, the float path
+  above `Q8_MAX_M` rows). Dense weights (Hugging Face folders, F32 GGUF tensors, `"dequantize"`) keep the
+  eager set's oneDNN-packed float32 projection, which the compiled float kernels only match (docs/kernels.md).
+- `embedding(table)`: a quantized table expands only the looked-up rows (`troupe_qmm.embedding`), with the
+  reference's values bit for bit.
+
+Activations in another dtype than float32 are cast to float32 for the kernel and back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from troupe.kernels.base import EmbeddingOp, LinearOp
+from troupe.kernels.eager.linear import Linear
+from troupe.kernels.quant import QType, QuantizedTensor, Weight, dense
+
+SOURCES = ("qmatmul.cpp", "qmatmul_q8.cpp")  # the troupe_qmm extension
+
+
+def computes_on_blocks(weight: Weight) -> bool:
+    """Whether the kernels take `weight` as it is (every QType whose rows are whole 32-value chunks)."""
+    return isinstance(weight, QuantizedTensor) and weight.shape[1] % 32 == 0
+
+
+class QuantizedLinear:
+    """`x (M, K) -> x @ W.T + bias (M, N)` on the blocks of `weight` (see the module docstring)."""
+
+    __slots__ = ("data", "qtype", "bias", "q8")
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, quantize_activations: bool) -> None:
+        self.data = weight.data  # (N, row_bytes) uint8
+        self.qtype = int(weight.qtype)
+        self.bias = bias.detach().float().contiguous() if bias is not None else None  # (N,)
+        self.q8 = quantize_activations and weight.qtype not in (QType.F32, QType.F16, QType.BF16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N)
+        dtype = x.dtype
+        op = torch.ops.troupe_qmm.linear_q8 if self.q8 else torch.ops.troupe_qmm.linear
+        y = op(x if dtype == torch.float32 else x.float(), self.data, self.qtype, self.bias, -1)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+
+def linear(weight: Weight, bias: torch.Tensor | None, quantize_activations: bool) -> LinearOp:
+    """The projection of `weight` for the cpu set (see the module docstring)."""
+    if computes_on_blocks(weight):
+        assert isinstance(weight, QuantizedTensor)
+        return QuantizedLinear(weight, bias, quantize_activations)
+    lin = Linear(dense(weight), bias)
+    lin.pack()
+    return lin
+
+
+def embedding(table: Weight) -> EmbeddingOp:
+    """The lookup `ids (T,) int64 -> (T, hidden) float32` over `table`."""
+    if computes_on_blocks(table):
+        assert isinstance(table, QuantizedTensor)
+        data, qtype, k = table.data, int(table.qtype), table.shape[1]
+        return lambda ids: torch.ops.troupe_qmm.embedding(data, qtype, k, ids)
+    dense_table = dense(table)
+    return lambda ids: F.embedding(ids, dense_table)
