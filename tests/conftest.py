@@ -54,10 +54,20 @@ def tokenizer(request: pytest.FixtureRequest) -> Any:
     return tok
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def anyio_backend() -> str:
-    """troupe runs on asyncio (pyzmq's asyncio sockets need it)."""
+    """troupe runs on asyncio (pyzmq's asyncio sockets need it). Every `async def` test runs on it
+    (`anyio_mode = "auto"` in pyproject.toml); session scope lets an async fixture of any scope (a
+    module's shared engine) use it."""
     return "asyncio"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e/ (engine modes, subprocesses, whole programs) is `slow`."""
+    e2e = Path(__file__).parent / "e2e"
+    for item in items:
+        if e2e in item.path.parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

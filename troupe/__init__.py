@@ -1,8 +1,8 @@
 """troupe: a small, fast, honest LLM inference engine, built as an actor graph on anyio.
 
 Public names: `LLM` (offline, blocking) and `AsyncLLM` (streaming) over the same actor graph,
-`SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`, `EngineDeadError`,
-`EngineStartupError`, `EngineHungError`.
+`SamplingParams`, `StructuredOutputsParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
+`Logprob`, `EngineDeadError`, `EngineStartupError`, `EngineHungError`.
 """
 
 from __future__ import annotations
@@ -11,19 +11,22 @@ from typing import TYPE_CHECKING, Any
 
 from troupe.errors import EngineDeadError, EngineHungError, EngineStartupError, InvalidInputError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
+from troupe.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from troupe.facades.async_llm import AsyncLLM
     from troupe.facades.llm import LLM
-    from troupe.outputs import CompletionOutput, RequestOutput
+    from troupe.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "EngineDeadError",
     "EngineStartupError",
     "EngineHungError",
@@ -35,6 +38,7 @@ _LAZY = {
     "AsyncLLM": "troupe.facades.async_llm",
     "RequestOutput": "troupe.outputs",
     "CompletionOutput": "troupe.outputs",
+    "Logprob": "troupe.outputs",
 }
 
 

@@ -1,6 +1,8 @@
 """The `troupe` command line: `generate`, `chat`, `serve`, `engine` and `bench`.
 
-`troupe generate "prompt"` streams one answer to the terminal; `troupe chat` is an interactive
+`troupe generate "prompt"` streams one answer to the terminal (`--n` samples, `--logprobs K`,
+`--json-schema FILE`: then printed whole); generate and chat print the answer only, with troupe's
+logs at warning level unless `-v` or `TROUPE_LOG_LEVEL` asks for more; `troupe chat` is an interactive
 conversation through the model's chat template; `troupe serve` runs the OpenAI-compatible HTTP
 server (docs/server.md); `troupe engine --connect tcp://HOST:PORT --rank R` starts a headless
 engine that joins a frontend with data-parallel engines elsewhere (docs/data_parallel.md);
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +24,7 @@ import anyio
 from troupe.config import DEFAULT_MODEL, KERNEL_SETS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.sampling_params import RequestOutputKind, SamplingParams
+from troupe.structured import StructuredOutputsParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +69,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log troupe's info lines (-vv: debug); default: warnings only, or TROUPE_LOG_LEVEL")
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.7)
@@ -102,9 +108,38 @@ def _json_resources(text: str) -> Any:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The CLI's SamplingParams; `generate`'s --n, --logprobs and --json-schema when given."""
+    extra: dict[str, Any] = {}
+    n, logprobs = getattr(args, "n", 1), getattr(args, "logprobs", None)
+    if n != 1:
+        extra["n"] = n
+    if logprobs is not None:
+        extra["logprobs"] = logprobs
+    if getattr(args, "json_schema", None) is not None:
+        extra["structured_outputs"] = StructuredOutputsParams(json=_read_schema(args.json_schema))
+    stream = n == 1 and logprobs is None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
-                          ignore_eos=args.ignore_eos, output_kind=RequestOutputKind.DELTA)
+                          ignore_eos=args.ignore_eos,
+                          output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY, **extra)
+
+
+def _read_schema(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--json-schema: cannot read a JSON schema from {path}: {exc}") from exc
+
+
+def _print_logprobs(output: Any) -> None:
+    """One line per generated token: its text, logprob and the top alternatives."""
+    for tid, position in zip(output.token_ids, output.logprobs or [], strict=False):
+        lp = position.get(tid)
+        others = sorted(((p.rank or 0, p.decoded_token, p.logprob) for t, p in position.items() if t != tid))
+        alts = "  ".join(f"{text!r}:{value:.3f}" for _, text, value in others)
+        text = lp.decoded_token if lp is not None else str(tid)
+        print(f"{text!r}\t{lp.logprob if lp is not None else float('nan'):.4f}\t{alts}")
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -114,10 +149,22 @@ async def _generate(args: argparse.Namespace) -> None:
         params = sampling_params(args)
         gen = llm.chat([{"role": "user", "content": args.prompt}], params) if args.chat_template \
             else llm.generate(args.prompt, params)
+        if params.output_kind is RequestOutputKind.DELTA:
+            async for out in gen:
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return
+        final = None
         async for out in gen:
-            sys.stdout.write(out.outputs[0].text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            final = out
+        assert final is not None
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            if len(final.outputs) > 1:
+                print(f"--- sample {c.index} ---")
+            print(c.text)
+            if args.logprobs is not None:
+                _print_logprobs(c)
 
 
 async def _chat(args: argparse.Namespace) -> None:
@@ -146,12 +193,27 @@ async def _chat(args: argparse.Namespace) -> None:
             messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _quiet_logs(verbose: int) -> None:
+    """generate and chat print the answer only: troupe logs at warning level (in the engine
+    processes too, which read TROUPE_LOG_LEVEL) unless -v or TROUPE_LOG_LEVEL asks for more."""
+    from troupe.log import configure_logging
+
+    level = "debug" if verbose >= 2 else "info" if verbose == 1 else os.environ.get("TROUPE_LOG_LEVEL") or "warning"
+    os.environ["TROUPE_LOG_LEVEL"] = level
+    configure_logging(level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="troupe", description="troupe: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream the answer to one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user chat message")
+    gen.add_argument("--n", type=int, default=1, help="number of samples (each printed after a header line)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="after the answer, each token's logprob and its top K alternatives")
+    gen.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="constrain the answer to the JSON schema in FILE (structured outputs)")
     _engine_args(gen)
     _sampling_args(gen)
     chat = sub.add_parser("chat", help="an interactive conversation")
@@ -187,9 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command in ("generate", "chat"):
+        _quiet_logs(args.verbose)
     try:
         if args.command in ("generate", "chat", "serve"):
             EngineConfig(**engine_options(args))  # bad options (or Ray missing) fail here, before anything starts
+        if args.command in ("generate", "chat"):
+            sampling_params(args)  # so do bad sampling options
         if args.command == "generate":
             anyio.run(_generate, args)
         elif args.command == "chat":

@@ -15,6 +15,7 @@ from troupe.errors import InvalidInputError
 DEFAULT_MODEL = "smollm2-135m-instruct"
 RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
 KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" takes the best set for the device
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # docs/sampling.md
 DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
 QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8")  # troupe.models.loader.resolve_quantization
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype; "auto": the kernel set's choice
@@ -46,6 +47,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_threads: int | None = None  # torch threads in the engine; None: all cores / engines
     output_chunk_size: int = 128
     null_model: bool = False  # a model that returns a fixed token with no compute (tests, benchmarks)
+    # --- sampling (docs/sampling.md)
+    max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for; -1: the whole vocab
+    logprobs_mode: str = "raw_logprobs"  # what logprobs report (vLLM's): raw_/processed_ + logprobs/logits
     # --- the engine process (docs/multiprocess.md)
     multiprocess: bool = True  # the EngineCore runs in its own spawned process; False: in this one (debugging)
     engine_address: str | None = None  # None: ipc:// in a private temp dir; or "tcp://HOST:PORT" (port "*": any)
@@ -74,6 +78,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not isinstance(value, int) or value < lo:
                 raise InvalidInputError(name, f"must be an integer >= {lo}, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise InvalidInputError("max_logprobs", f"must be an integer >= -1 (-1: the whole vocabulary), got "
+                                    f"{self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidInputError("logprobs_mode", f"must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kernels not in KERNEL_SETS:
             raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {self.kernels!r}")
         if self.device not in DEVICES:

@@ -34,12 +34,7 @@ class ModelLimits:
     kv_capacity_tokens: int | None = None  # tokens one request can hold in the KV pool
     data_parallel_size: int = 1
     priority_scheduling: bool = False  # the engine honours `priority` (scheduling_policy="priority")
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessedPrompt:
-    prompt_text: str | None
-    prompt_token_ids: list[int]
+    max_logprobs: int = 20  # EngineConfig.max_logprobs: -1 allows the whole vocabulary
 
 
 def make_request_id(external_id: str) -> str:
@@ -74,8 +69,10 @@ def tokenize(tokenizer: Any, text: str) -> list[int]:
 
 
 def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> str:
-    """The conversation as text through the model's chat template."""
+                chat_template: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                **template_kwargs: Any) -> str:
+    """The conversation as text through the model's chat template; `tools` (OpenAI function
+    definitions) and `template_kwargs` are passed to the template as transformers does."""
     if not isinstance(messages, Sequence) or not messages:
         raise InvalidInputError("messages", "must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
@@ -84,7 +81,7 @@ def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: b
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template)
+                                             chat_template=chat_template, tools=tools, **template_kwargs)
     except Exception as exc:  # no template, or the template refused the conversation (jinja2's TemplateError)
         raise InvalidInputError("messages", f"chat template failed: {type(exc).__name__}: {exc}") from exc
     return str(text)
@@ -112,18 +109,62 @@ def validate_prompt_ids(ids: list[int], limits: ModelLimits) -> None:
         )
 
 
+def validate_sampling(params: SamplingParams, limits: ModelLimits) -> None:
+    """The checks of `params` that need the model: token ids inside the vocabulary, logprob counts
+    within `max_logprobs`. Raises `InvalidInputError` naming the field."""
+    vocab = limits.vocab_size
+    for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("allowed_token_ids",
+                       params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+        for t in ids:
+            if t >= vocab:
+                raise InvalidInputError(field, f"token id {t} is outside the vocabulary [0, {vocab})")
+    most = vocab if limits.max_logprobs == -1 else limits.max_logprobs
+    for field in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, field)
+        if asked is None:
+            continue
+        if (vocab if asked == -1 else asked) > most:
+            raise InvalidInputError(field, f"asks for {asked} logprobs; at most {limits.max_logprobs} are allowed "
+                                    "(the engine's max_logprobs; -1 there allows the whole vocabulary)")
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) alone, and after a space
+    when that gives a different first token with as many tokens (the word in mid-text)."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (alone, spaced):
+            if ids and ids not in out and (ids is alone or (ids[0] != alone[0] and len(ids) == len(alone))):
+                out.append(ids)
+        for t in alone + spaced:
+            if not 0 <= t < vocab_size:
+                raise InvalidInputError("bad_words", f"{word!r} tokenizes to id {t}, outside the vocabulary")
+    return out
+
+
 def build_request(
     *, prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits, external_id: str,
-    priority: int = 0, data_parallel_rank: int | None = None,
+    priority: int = 0, data_parallel_rank: int | None = None, tokenizer: Any = None,
 ) -> AddRequest:
-    """Validate and resolve one request (max_tokens, EOS ids, a unique internal id)."""
+    """Validate and resolve one request (max_tokens, EOS ids, a unique internal id, the bad words'
+    token ids with `tokenizer`); a structured-output spec is parsed by the backend here, so a bad one
+    fails at the edge."""
     if not isinstance(params, SamplingParams):
         raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     params.verify()  # again: the struct is mutable, and a field changed since construction must not reach the engine
     validate_prompt_ids(prompt_token_ids, limits)
-    for t in params.stop_token_ids or ():
-        if t >= limits.vocab_size:
-            raise InvalidInputError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
+    validate_sampling(params, limits)
+    bad_words: list[list[int]] = []
+    if params.bad_words:
+        if tokenizer is None:
+            raise InvalidInputError("bad_words", "bad words need a tokenizer (this engine has none)")
+        bad_words = bad_words_token_ids(tokenizer, params.bad_words, limits.vocab_size)
+    if params.structured_outputs is not None:
+        from troupe.structured.backend import validate
+
+        validate(params.structured_outputs)
     if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
         raise InvalidInputError("priority", f"must be a signed 64-bit integer, got {priority!r}")
     if priority != 0 and not limits.priority_scheduling:
@@ -149,4 +190,6 @@ def build_request(
         priority=priority,
         external_id=external_id,
         data_parallel_rank=data_parallel_rank,
+        bad_words_token_ids=bad_words,
     )
+

@@ -72,14 +72,6 @@ def trace(logger: Any, event: str, **fields: Any) -> None:
     (method if method is not None else logger.debug)(event, **fields)
 
 
-def log_at(logger: Any, level: str, event: str, **fields: Any) -> None:
-    """Log at a level given by name ("trace", "debug", "info", "warning", "error", "critical")."""
-    if level == "trace":
-        trace(logger, event, **fields)
-    else:
-        getattr(logger, level if level in _LEVELS else "info")(event, **fields)
-
-
 class TroupeBoundLogger(structlog.BoundLoggerBase):
     """troupe's structlog wrapper class: filters against troupe's current level, adds `trace`."""
 

@@ -39,6 +39,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", array_like=True, omit_d
 
     `eos_token_ids` are the model's end-of-sequence ids (tokenizer + generation_config); the engine
     stops on them unless `params.ignore_eos`. `max_tokens` is resolved (never None).
+    `bad_words_token_ids` are `params.bad_words` tokenized by the frontend (vLLM's rule: each word
+    alone and after a space), one token sequence each.
     """
 
     request_id: str
@@ -50,6 +52,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", array_like=True, omit_d
     priority: int = 0
     external_id: str = ""
     data_parallel_rank: int | None = None
+    bad_words_token_ids: list[list[int]] = []
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort", array_like=True):
@@ -68,8 +71,22 @@ EngineInput = AddRequest | AbortRequest | UtilityCall
 # ---------------------------------------------------------------- engine -> frontend
 
 
+class LogprobsLists(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Logprobs of a run of token positions, compactly: row i is position i's `token_ids[i]` =
+    [the chosen token, top-1, .., top-k] and their `logprobs[i]`; `ranks[i]` is the chosen token's rank
+    (1 = most likely; the top-k have ranks 1..k). The chosen token may appear again among the top-k."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """What one request produced in one step (only sent when there is something new)."""
+    """What one request produced in one step (only sent when there is something new).
+
+    `new_logprobs`: one row per new token (when `params.logprobs` is set). `prompt_logprobs`: one row
+    per prompt token after the first, all of them at once with the request's first token (when
+    `params.prompt_logprobs` is set)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -78,6 +95,8 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaul
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None  # set with FinishReason.ERROR: why this request failed
+    new_logprobs: LogprobsLists | None = None
+    prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,12 +1,18 @@
 """What a user gets back: `RequestOutput` holding one `CompletionOutput` per sample.
 
-Follows vLLM's `vllm/outputs.py` (see `shared/reference/vllm-semantics.md` §1.5, §1.6):
+Follows vLLM's `vllm/outputs.py`:
 
 - `RequestOutput.request_id` is the user's *external* id; the engine works on internal ids.
 - `CompletionOutput.text` / `.token_ids` are either everything so far (CUMULATIVE, FINAL_ONLY) or
   only what is new since the previous output (DELTA), depending on `SamplingParams.output_kind`.
 - `finish_reason` is one of "stop", "length", "abort", "error" (None while running); `stop_reason`
   is the stop token id (int), the matched stop string (str), or None (EOS, length, abort).
+- Logprobs (when `SamplingParams.logprobs` / `prompt_logprobs` asked for them): one
+  `{token_id: Logprob}` dict per token, holding the chosen token and the top-k of the distribution;
+  `CompletionOutput.logprobs` is sliced like `token_ids` (everything so far, or only what is new);
+  `RequestOutput.prompt_logprobs` has one entry per prompt token, the first None (nothing predicts it),
+  sent on every output (CUMULATIVE), once (DELTA) or at the end (FINAL_ONLY).
+  `cumulative_logprob` is the sum of the chosen tokens' logprobs (None unless `logprobs` was asked).
 
 The objects are mutable msgspec Structs: `RequestOutput.add` merges a newer output into a pending
 one in place (the per-request collector does this when the consumer falls behind). The frontend
@@ -65,6 +71,18 @@ class RequestMetrics(msgspec.Struct, gc=False):
         return self.finished_time - self.arrival_time
 
 
+class Logprob(msgspec.Struct, gc=False, frozen=True):
+    """One token's log-probability, its rank in the distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # one dict per token
+PromptLogprobs = list[dict[int, Logprob] | None]  # one per prompt token, the first None
+
+
 class CompletionOutput(msgspec.Struct, gc=False):
     """One sample of a request. `index` is the sample number (0..n-1)."""
 
@@ -72,7 +90,7 @@ class CompletionOutput(msgspec.Struct, gc=False):
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -101,7 +119,7 @@ class RequestOutput(msgspec.Struct, gc=False):
     prompt_token_ids: list[int] | None
     outputs: list[CompletionOutput]
     finished: bool = False
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None

@@ -1,10 +1,11 @@
 """`SamplingParams` and `RequestOutputKind`: what a user asks of one request.
 
-Fields, defaults and validation follow vLLM's `SamplingParams` (see
-`shared/reference/vllm-semantics.md` §1.4). Validation runs at construction, so a bad value raises
-`InvalidInputError` (a `ValueError`) naming the field and the allowed range before anything reaches
-the engine. Features the engine does not implement yet (n > 1, logprobs, penalties) are rejected,
-never silently ignored.
+Fields, defaults and validation follow vLLM's `SamplingParams` (docs/sampling.md lists every field and
+what troupe does with it). Validation runs at construction, so a bad value raises `InvalidInputError`
+(a `ValueError`) naming the field and the allowed range before anything reaches the engine. What needs
+the model (token ids inside the vocabulary, `logprobs` within `max_logprobs`, `bad_words` tokenized, a
+structured-output spec that compiles) is checked where the request enters troupe
+(`troupe.inputs.build_request`), again before the engine sees it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import msgspec
 
 from troupe.errors import InvalidInputError
+from troupe.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
@@ -46,13 +48,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # top-k logprobs per output token (plus the sampled one); -1: the whole vocab
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed: the last token of each is banned after the others
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.verify()
@@ -64,6 +70,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.seed = None
         self.stop = _string_list("stop", self.stop)
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise InvalidInputError("allowed_token_ids", "must not be empty (None allows every token)")
+        if self.bad_words is not None:
+            self.bad_words = _string_list("bad_words", self.bad_words) or None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidInputError("structured_outputs", "must be a StructuredOutputsParams, got "
+                                    f"{type(self.structured_outputs).__name__}")
         for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                       "repetition_penalty"):
             _real(field, getattr(self, field))
@@ -87,21 +103,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             return InvalidInputError(field, message)
 
         _integer("n", self.n, 1, INT64_MAX)
-        if self.n != 1:
-            raise bad("n", f"n > 1 is not supported yet by troupe (got {self.n})")
+        if self.n > 1 and self.temperature < _GREEDY_EPS:
+            raise bad("n", f"must be 1 with greedy sampling (temperature 0): the {self.n} samples would be equal")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not 0.0 < self.repetition_penalty < math.inf:
             raise bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
-        for field, value, neutral in (
-            ("presence_penalty", self.presence_penalty, 0.0),
-            ("frequency_penalty", self.frequency_penalty, 0.0),
-            ("repetition_penalty", self.repetition_penalty, 1.0),
-        ):
-            if value != neutral:
-                raise bad(field, f"penalties are not supported yet by troupe (got {value})")
         if not 0.0 <= self.temperature < math.inf:
             raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -116,10 +125,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _integer("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None:
-            raise bad("logprobs", "logprobs are not supported yet by troupe")
-        if self.prompt_logprobs is not None:
-            raise bad("prompt_logprobs", "prompt_logprobs are not supported yet by troupe")
+        for field in ("logprobs", "prompt_logprobs"):
+            if getattr(self, field) is not None:
+                _integer(field, getattr(self, field), -1, INT64_MAX, "(-1: the whole vocabulary) or None")
         for field in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
                       "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
@@ -139,6 +147,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def stop_strings(self) -> list[str]:
         assert isinstance(self.stop, list)
         return self.stop
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def clone(self) -> SamplingParams:
         return msgspec.structs.replace(self)
@@ -171,7 +183,7 @@ def _string_list(field: str, value: Any) -> list[str]:
         raise InvalidInputError(field, f"must be a string or a list of strings, got {value!r}")
     for s in items:
         if not isinstance(s, str) or not s:
-            raise InvalidInputError(field, f"stop strings must be non-empty strings, got {s!r}")
+            raise InvalidInputError(field, f"must hold non-empty strings, got {s!r}")
         if not s.isascii():
             check_utf8(field, s)
     return list(items)
@@ -196,3 +208,24 @@ def _int_list(field: str, value: Any) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX:
             raise InvalidInputError(field, f"must be non-negative integers, got {t!r}")
     return list(value)
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """None or {token id: bias}: ids as ints >= 0 (strings of digits too, as JSON sends them), biases
+    finite numbers clamped to [-100, 100] (vLLM's range)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidInputError("logit_bias", f"must be a mapping of token id to bias, got {type(value).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT64_MAX:
+            raise InvalidInputError("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise InvalidInputError("logit_bias", f"biases must be finite numbers, got {bias!r} for token {key!r}")
+        out[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
+    return out

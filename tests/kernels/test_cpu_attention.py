@@ -14,8 +14,9 @@ from troupe.kernels import reference
 from troupe.kernels.base import AttentionMetadata
 from troupe.kernels.cpu import attention, build
 
-pytestmark = pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags() or not build.shutil.which("c++"),
-                                reason="no AVX2/FMA/F16C CPU or no C++ compiler here")
+pytestmark = [pytest.mark.timeout(600),  # the first test of a process may build the C++ extensions
+              pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags() or not build.shutil.which("c++"),
+                                reason="no AVX2/FMA/F16C CPU or no C++ compiler here")]
 
 # (tokens already cached, new tokens) per sequence: a one-token prompt, decodes at and just past block
 # boundaries (16, 32), a long decode, whole prompts, chunks after cached context, one ending on a boundary
@@ -158,6 +159,8 @@ def test_built_for_the_isa_asked_for():
     assert torch.ops.troupe_probe.isa() == ("avx2" if build.isa() == "avx2" else native)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # this file again on the AVX2 build, in a subprocess
 @pytest.mark.skipif(os.environ.get("TROUPE_CPU_ISA") == "avx2", reason="this is the AVX2 run itself")
 def test_avx2_baseline_passes_these_tests():
     """Every test of this file passes on the AVX2/FMA/F16C baseline build as well (what AVX2-only

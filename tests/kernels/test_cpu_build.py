@@ -18,6 +18,8 @@ needs_build = pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags
 
 
 @needs_build
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a C++ build (unless cached)
 def test_probe_builds_for_this_cpu_and_shares_torchs_threads():
     """The probe extension builds (or comes from the cache), reports the ISA the CPU has, and its
     `at::parallel_for` runs on as many threads as torch is set to."""
@@ -28,6 +30,8 @@ def test_probe_builds_for_this_cpu_and_shares_torchs_threads():
 
 
 @needs_build
+@pytest.mark.slow
+@pytest.mark.timeout(700)  # a C++ build in a subprocess
 def test_avx2_baseline_builds_on_any_cpu(tmp_path):
     """TROUPE_CPU_ISA=avx2 builds the AVX2/FMA baseline (what an AVX2-only machine runs) even on an
     AVX-512 CPU, in its own cache entry."""

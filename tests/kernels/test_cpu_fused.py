@@ -13,8 +13,9 @@ import torch
 from troupe.kernels import reference
 from troupe.kernels.cpu import build, fused
 
-pytestmark = pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags() or not build.shutil.which("c++"),
-                                reason="no AVX2/FMA/F16C CPU or no C++ compiler here")
+pytestmark = [pytest.mark.timeout(600),  # the first test of a process may build the C++ extensions
+              pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags() or not build.shutil.which("c++"),
+                                reason="no AVX2/FMA/F16C CPU or no C++ compiler here")]
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(1, 576), (7, 17), (64, 576), (300, 1000)]  # a decode row, an odd width, a batch, a prefill over threads
@@ -129,6 +130,8 @@ def test_bad_inputs_are_refused():
         fused.rope_and_cache(torch.tensor([0, 1]), q, k, v, table, pools, torch.tensor([0, 8]))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # this file again on the AVX2 build, in a subprocess
 @pytest.mark.skipif(os.environ.get("TROUPE_CPU_ISA") == "avx2", reason="this is the AVX2 run itself")
 def test_avx2_baseline_passes_these_tests():
     """Every test of this file passes on the AVX2/FMA/F16C baseline build as well, in a subprocess (an

@@ -21,6 +21,9 @@ needs_build = pytest.mark.skipif(not build.REQUIRED_CPU_FLAGS <= build.cpu_flags
                                  reason="no AVX2/FMA/F16C CPU or no C++ compiler here")
 
 
+pytestmark = pytest.mark.timeout(600)  # the first test of a process may build the C++ extensions
+
+
 @pytest.mark.parametrize("qtype", cases.FORMATS, ids=lambda q: q.name)
 def test_reference_dequantization_equals_gguf_packages(qtype: QType) -> None:
     """troupe's torch dequantization gives gguf.quants.dequantize's float32 values bit for bit (an
@@ -96,6 +99,8 @@ def test_kernels_q8_quantization_float_formats_and_errors() -> None:
 
 
 @needs_build
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the AVX2 build and its checks, in a subprocess
 def test_avx2_baseline_kernels_match_reference() -> None:
     """The AVX2/FMA build (what an AVX2-only machine runs) passes every check above, in a subprocess."""
     env = {**os.environ, "TROUPE_CPU_ISA": "avx2"}

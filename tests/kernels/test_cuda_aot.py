@@ -17,6 +17,9 @@ KERNELS = {"reshape_and_cache", "rotary_embedding", "rms_norm", "rms_norm-fused"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # Triton compiles every kernel in a subprocess
+
+
 def compile_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, not from a warm cache

@@ -17,7 +17,6 @@ from troupe.kernels.base import KVSpec, flatten_step
 from troupe.kernels.cpu import available as cpu_available
 from troupe.kernels.cuda.graphs import capture_order, capture_sizes, graph_size_for
 from troupe.kernels.cuda.kernel_set import CudaKernels
-from troupe.kernels.cuda.sampling import DeviceSampler
 from troupe.kernels.cuda.step_buffers import StepBuffers
 
 BS = 4
@@ -197,10 +196,10 @@ def test_device_and_kernel_choice_with_a_gpu(monkeypatch: pytest.MonkeyPatch) ->
     assert select.select_kernels(EngineConfig(device="cpu")).name == ("cpu" if cpu_available() else "eager")
 
 
-def test_sampler_follows_the_device() -> None:
-    """One place picks the sampler: the host one for CPU logits, the device one for CUDA logits."""
+def test_one_sampler_for_every_device() -> None:
+    """One sampler implementation serves CPU and CUDA logits (no feature exists on one device only)."""
     assert type(make_sampler(torch.device("cpu"), 3)) is Sampler
-    assert type(make_sampler(torch.device("cuda"), 3)) is DeviceSampler
+    assert type(make_sampler(torch.device("cuda"), 3)) is Sampler
 
 
 @pytest.mark.parametrize("field,value", [("device", "gpu"), ("device", "cuda:0"), ("gpu_memory_utilization", 0),

@@ -47,6 +47,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # three CLI runs on a tiny GGUF, in subprocesses
 @pytest.mark.parametrize("why", ["no-compiler", "no-avx2"])
 def test_engine_falls_back_to_eager_with_one_warning(why: str, tmp_path: Path) -> None:
     """The real engine on a GGUF with `kernels` left at "auto", where the compiled kernels cannot be built

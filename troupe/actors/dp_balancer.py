@@ -25,8 +25,7 @@ and the frontend reports the whole group dead rather than half-serve).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any, NamedTuple, assert_never
 
 import anyio
@@ -66,7 +65,7 @@ class _Call:
         self.results: dict[int, UtilityResult] = {}
 
 
-class DPBalancer(anyio.AsyncContextManagerMixin):
+class DPBalancer:
     def __init__(self, inbox: MemoryObjectReceiveStream[EngineInput],
                  engines: Sequence[MemoryObjectSendStream[EngineInput]],
                  from_engines: MemoryObjectReceiveStream[EngineOutput],
@@ -108,13 +107,6 @@ class DPBalancer(anyio.AsyncContextManagerMixin):
 
     def statistics(self) -> BalancerStats:
         return BalancerStats(tuple(self._routed), tuple(self._aborted), len(self.routing), tuple(self.scores()))
-
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[DPBalancer]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="dp_balancer")

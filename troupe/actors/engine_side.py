@@ -12,32 +12,24 @@ start with `await tg.start(side.run)` (returning once the engine is ready, or ra
 - `RayEngine` (troupe.process.ray_engines, `data_parallel_backend="ray"`): that headless engine in
   a Ray actor the side places and owns.
 
-`build_core` is shared by both: it applies the test-only fault hooks and turns any failure into
-`EngineStartupError` with the traceback text.
+Both build the core with `troupe.engine.build.build_core` (the test-only fault hooks, failures as
+`EngineStartupError`) and report it with `ready_info`.
 """
 
 from __future__ import annotations
 
-import os
-import traceback
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.config import EngineConfig
-from troupe.errors import EngineStartupError
+from troupe.engine.build import EngineReady, MakeCore, build_core, ready_info
+from troupe.engine.core_actor import EngineCoreActor
 from troupe.messages import EngineInput, EngineOutput
-from troupe.process.protocol import EngineReady
-from troupe.testing import faults
-
-if TYPE_CHECKING:
-    from troupe.actors.engine_core_actor import EngineCoreActor
-    from troupe.core.engine_core import EngineCore
-
-MakeCore = Callable[[EngineConfig], "EngineCore"]
+from troupe.process.client import EngineProcess
+from troupe.process.ray_engines import RayEngine
 
 
 class EngineSide(Protocol):
@@ -51,25 +43,6 @@ class EngineSide(Protocol):
 
     def statistics(self) -> Any: ...
 
-
-def build_core(config: EngineConfig, make_core: MakeCore | None = None, engine_index: int = 0) -> EngineCore:
-    """Build the EngineCore (blocking: a worker thread or the engine process), faults installed."""
-    try:
-        from troupe.core.engine_core import EngineCore  # torch: only where the engine runs
-
-        faults.before_build(config.fault_injection)
-        core = (make_core or EngineCore)(config)
-        core.engine_index = engine_index
-        faults.install(core, config.fault_injection)
-        return core
-    except Exception as exc:
-        raise EngineStartupError.from_cause(exc, traceback.format_exc()) from exc
-
-
-def ready_info(core: EngineCore, engine_index: int = 0) -> EngineReady:
-    return EngineReady(engine_index=engine_index, pid=os.getpid(), limits=core.limits,
-                       model_path=str(core.runner.model_path), num_blocks=core.runner.num_blocks,
-                       block_size=core.runner.block_size)
 
 
 class InProcessEngine:
@@ -99,8 +72,6 @@ class InProcessEngine:
         return self.actor.statistics() if self.actor is not None else None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        from troupe.actors.engine_core_actor import EngineCoreActor
-
         core = await anyio.to_thread.run_sync(build_core, self.config, self._make_core, self.engine_index)
         self._ready = ready_info(core, self.engine_index)
         self.actor = EngineCoreActor(core, self._inbox, self._outbox, engine_index=self.engine_index)
@@ -114,13 +85,9 @@ def make_engine_side(config: EngineConfig, inbox: MemoryObjectReceiveStream[Engi
     `multiprocess=False`, else in a spawned one); the others are headless engines that join over TCP;
     with `data_parallel_backend="ray"` every rank is a Ray actor (troupe.process.ray_engines)."""
     if config.data_parallel_backend == "ray":
-        from troupe.process.ray_engines import RayEngine
-
         return RayEngine(config, inbox, outbox, engine_index=engine_index)
     remote = engine_index >= config.num_local_engines
     if not remote and not config.multiprocess:
         return InProcessEngine(config, inbox, outbox, make_core=make_core, engine_index=engine_index)
-    from troupe.process.client import EngineProcess
-
     return EngineProcess(config, inbox, outbox, make_core=None if remote else make_core,
                          engine_index=engine_index, remote=remote)

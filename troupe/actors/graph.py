@@ -18,16 +18,20 @@ stream ends with finish_reason "abort"), closes the submission stream and cancel
 group: an in-process step in flight finishes first; an engine process is stopped (see
 troupe.process.client).
 
-An actor that crashes does not take the caller's code down with it: `_supervised` turns the
-crash into `EngineDeadError` for every live and every later request (`RequestTable.fail_all`).
-A progress watch logs an engine that finishes no step for `engine_hang_timeout_s` while requests
-wait (`AsyncLLM.check_health` raises `EngineHungError` then); it kills nothing.
+Every task is started the same way, `await tg.start(self._supervised, name, actor.run)`: an
+actor's `run(task_status=...)` signals `started()` once it is ready. An essential actor that crashes
+does not take the caller's code down with it: `_supervised` turns the crash into `EngineDeadError`
+for every live and every later request (`RequestTable.fail_all`). An optional observer (the stats
+logger, the progress watch) that crashes is logged and the graph goes on. The progress watch logs an
+engine that finishes no step for `engine_hang_timeout_s` while requests wait (`AsyncLLM.check_health`
+raises `EngineHungError` then); it kills nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import traceback
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -39,32 +43,38 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from troupe.actors.dp_balancer import DPBalancer
-from troupe.actors.engine_side import EngineSide, MakeCore, make_engine_side
+from troupe.actors.engine_side import EngineSide, make_engine_side
+from troupe.actors.engine_stats import EngineStats
 from troupe.actors.input_processor import FrontendInput, InputProcessor
 from troupe.actors.output_handler import OutputHandler
 from troupe.actors.requests import RequestTable
+from troupe.actors.stats_logger import StatsLogger
+from troupe.actors.streams import GraphStreams, TokenizerPrefetch
 from troupe.config import EngineConfig
+from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineStartupError, first_startup_error
 from troupe.inputs import ModelLimits
-from troupe.messages import EngineInput, EngineOutput, SchedulerStats
-from troupe.models.loader import load_tokenizer, resolve_model_path
-from troupe.process.protocol import EngineReady
 from troupe.testing import faults
 
 log = structlog.get_logger("troupe.graph")
 GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its caller's task, whose
 # context is the caller's own (and a module-level `bind` would freeze the logging configuration)
 
-STREAM_BUFFER = 64
-
 
 class Graph(anyio.AsyncContextManagerMixin):
-    """The running actor graph of one `AsyncLLM`."""
+    """The running actor graph of one `AsyncLLM`.
+
+    Start-up, in order (`__asynccontextmanager__`): 1. the streams; 2. the engine sides (each loads
+    its model; the tokenizer loads meanwhile); 3. the frontend: the balancer (several engines), the
+    output handler, the input processor, then the optional observers (hang watch, stats logger).
+    The request table and the engine statistics exist from the start, so a crash at any point
+    finds them."""
 
     def __init__(self, config: EngineConfig, *, make_core: MakeCore | None = None) -> None:
         self.config = config
         self._make_core = make_core
-        self.table: RequestTable = None  # type: ignore[assignment]  # made once the tokenizer is loaded
+        self.table = RequestTable()
+        self.stats = EngineStats(config.data_parallel_size)
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
         self.submit: MemoryObjectSendStream[FrontendInput] | None = None
@@ -72,7 +82,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         self.balancer: DPBalancer | None = None
         self.output_handler: OutputHandler | None = None
         self.input_processor: InputProcessor | None = None
-        self._early_failure: tuple[str, BaseException] | None = None
+        self.stats_logger: StatsLogger | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -81,77 +91,36 @@ class Graph(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Graph]:
-        n = self.config.data_parallel_size
-        # 1. every stream, bounded; each task gets its own clone of a shared end. With several
-        #    engines the balancer sits between: frontend -> balancer -> engine r, engines -> balancer
-        #    -> output handler; with one, the frontend talks to the engine directly.
-        to_engine_send, to_engine_recv = anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
-        from_engine_send, from_engine_recv = anyio.create_memory_object_stream[EngineOutput](STREAM_BUFFER)
-        submit_send, submit_recv = anyio.create_memory_object_stream[FrontendInput](STREAM_BUFFER)
-        per_engine = [anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER) for _ in range(n)] if n > 1 else []
-        merged_send, merged_recv = anyio.create_memory_object_stream[EngineOutput](STREAM_BUFFER)
-        # every end is closed on the way out, also those an actor never got to (a failed start)
         with contextlib.ExitStack() as ends:
-            for end in (to_engine_send, to_engine_recv, from_engine_send, from_engine_recv, submit_send, submit_recv,
-                        merged_send, merged_recv, *(e for pair in per_engine for e in pair)):
-                ends.enter_context(end)
+            streams = GraphStreams(self.config.data_parallel_size, ends)
             async with anyio.create_task_group() as tg:
-                # 2. the engine sides first: their model decides the limits the frontend checks against
-                if n == 1:
-                    inboxes, outbox = [to_engine_recv], from_engine_send
-                else:
-                    inboxes, outbox = [recv for _, recv in per_engine], merged_send
-                clones = [ends.enter_context(outbox.clone()) for _ in inboxes]  # closed here too if never used
-                self.engines = [make_engine_side(self.config, inbox, clone, make_core=self._make_core,
-                                                 engine_index=rank)
-                                for rank, (inbox, clone) in enumerate(zip(inboxes, clones, strict=True))]
-                outbox.close()  # the engines hold clones: the stream ends when the last engine stops
-                tokenizer = _TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
-                tg.start_soon(tokenizer.load, self.config.model)
-                await self._start_engines(tg)
+                await self._start_engines(tg, streams)
+                await self._start_frontend(tg, streams)
+                self.submit = streams.submit_send
                 first = self.engines[0].ready
-                # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
-                self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
-                self.table = RequestTable(self.tokenizer)
-                faults.install_frontend(self.table.processor, self.config.fault_injection)  # test-only
-                if self._early_failure is not None:
-                    self.table.fail_all(*self._early_failure)
-                self.limits = _group_limits([side.ready for side in self.engines])
-                for rank in range(n):  # every engine has stats (idle) from the start, for /metrics and logs
-                    self.table.engine_stats.setdefault(rank, SchedulerStats())
-                # 3. the balancer (several engines), then the frontend actors
-                if n > 1:
-                    self.balancer = DPBalancer(to_engine_recv, [send for send, _ in per_engine], merged_recv,
-                                               ends.enter_context(from_engine_send.clone()))
-                    await tg.start(self._supervised, "balancer", self.balancer.run)
-                self.output_handler = OutputHandler(self.table, from_engine_recv, to_engine_send.clone(),
-                                                    chunk_size=self.config.output_chunk_size)
-                await tg.start(self._supervised, "output_handler", self.output_handler.run)
-                self.input_processor = InputProcessor(self.tokenizer, self.limits, self.table, submit_recv,
-                                                      to_engine_send)
-                await tg.start(self._supervised, "input_processor", self.input_processor.run)
-                if self.config.engine_hang_timeout_s is not None:
-                    tg.start_soon(self._watch_progress, self.config.engine_hang_timeout_s)
-                if self.config.log_stats_interval_s is not None:
-                    from troupe.actors.stats_logger import StatsLogger
-
-                    tg.start_soon(StatsLogger(self.table, self.config.log_stats_interval_s).run)
-                self.submit = submit_send
+                assert self.limits is not None
                 log.info("graph ready", actor=GRAPH, model=self.config.model, max_model_len=self.limits.max_model_len,
                          kv_blocks=[side.ready.num_blocks for side in self.engines], engine_pids=self.pids,
-                         data_parallel_size=n, block_size=first.block_size)
+                         data_parallel_size=self.config.data_parallel_size, block_size=first.block_size)
                 try:
                     yield self
                 finally:
-                    # 4. shutdown: end every stream, stop taking work, then stop the actors
-                    self.table.abort(list(self.table.streams))
-                    submit_send.close()
+                    # shutdown: end every stream, stop taking work, then stop the actors
+                    self.table.abort(self.table.live_ids())
+                    streams.submit_send.close()
                     tg.cancel_scope.cancel()
 
-    async def _start_engines(self, tg: TaskGroup) -> None:
-        """Start every engine side at once (each loads its model); the first start-up failure is raised."""
+    async def _start_engines(self, tg: TaskGroup, streams: GraphStreams) -> None:
+        """Step 2: every engine side at once (each loads its model: they decide the limits the
+        frontend checks against), the tokenizer meanwhile; the first start-up failure is raised."""
+        self.engines = [make_engine_side(self.config, inbox, outbox, make_core=self._make_core, engine_index=rank)
+                        for rank, (inbox, outbox) in enumerate(streams.engine_ends())]
+        tokenizer = TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
+        tg.start_soon(tokenizer.load, self.config.model)
+        several = len(self.engines) > 1
+
         async def start(rank: int, side: EngineSide) -> None:
-            await tg.start(self._supervised, f"engine {rank}" if len(self.engines) > 1 else "engine", side.run)
+            await tg.start(self._supervised, f"engine {rank}" if several else "engine", side.run)
 
         try:
             async with anyio.create_task_group() as starting:
@@ -159,34 +128,75 @@ class Graph(anyio.AsyncContextManagerMixin):
                     starting.start_soon(start, rank, side)
         except* EngineStartupError as group:
             raise first_startup_error(group) from None
+        first = self.engines[0].ready
+        # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
+        self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
+        self.table.set_tokenizer(self.tokenizer)
+        faults.install_frontend(self.table.processor, self.config.fault_injection)  # test-only
+        self.limits = _group_limits([side.ready for side in self.engines])
 
-    async def _supervised(self, name: str, run: Callable[..., Awaitable[None]], *,
+    async def _start_frontend(self, tg: TaskGroup, streams: GraphStreams) -> None:
+        """Step 3: the balancer (several engines), the output handler, the input processor, then the
+        optional observers."""
+        assert self.limits is not None
+        if streams.per_engine:
+            self.balancer = DPBalancer(streams.to_engine_recv, [send for send, _ in streams.per_engine],
+                                       streams.merged_recv, streams.clone(streams.from_engine_send))
+            await tg.start(self._supervised, "balancer", self.balancer.run)
+        self.output_handler = OutputHandler(self.table, self.stats, streams.from_engine_recv,
+                                            streams.to_engine_send.clone(), chunk_size=self.config.output_chunk_size,
+                                            to_input=streams.clone(streams.submit_send))
+        await tg.start(self._supervised, "output_handler", self.output_handler.run)
+        block_size = self.engines[0].ready.block_size
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.limits, self.table, streams.submit_recv, streams.to_engine_send,
+            share_prefill_tokens=block_size if self.config.enable_prefix_caching else None)
+        await tg.start(self._supervised, "input_processor", self.input_processor.run)
+        if self.config.engine_hang_timeout_s is not None:
+            await tg.start(self._supervised, "progress_watch", self._watch_progress, False)
+        if self.config.log_stats_interval_s is not None:
+            self.stats_logger = StatsLogger(self.stats, lambda: self.table.num_unfinished,
+                                            self.config.log_stats_interval_s)
+            await tg.start(self._supervised, "stats_logger", self.stats_logger.run, False)
+
+    async def _supervised(self, name: str, run: Callable[..., Awaitable[None]], essential: bool = True, *,
                           task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run one actor: a failure before it started is raised to the caller of `start()`; a crash
+        after it of an essential actor (engines, balancer, output handler, input processor) ends the
+        graph's requests (`RequestTable.fail_all`: every live and later request gets
+        `EngineDeadError`, the caller's code is not cancelled); a crash of an optional observer (the
+        stats logger, the progress watch) is logged ("observer crashed") and the graph goes on
+        without it."""
         status = _Started(task_status)
         try:
             await run(task_status=status)
         except Exception as exc:
             if not status.done:
                 raise  # a start-up failure: the caller of start() gets it
+            if not essential:
+                log.error("observer crashed", actor=GRAPH, crashed_actor=name, exc_info=exc)
+                return
             log.error("actor crashed", actor=GRAPH, crashed_actor=name, exc_info=exc)
             reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            if self.table is None:
-                self._early_failure = (f"{name} crashed: {reason}", exc)
-            else:
-                self.table.fail_all(f"{name} crashed: {reason}", exc)
+            self.table.fail_all(f"{name} crashed: {reason}", exc)
 
     def stalled_for(self) -> tuple[float, int | None]:
         """(seconds, engine rank or None) of the longest stall of an engine while it holds requests:
-        per engine with several (the balancer knows which engine holds what), else the one engine's."""
-        if self.table is None:
-            return 0.0, None
+        per engine with several (the balancer knows which engine holds what), else the one engine's
+        (since its last progress, or since requests came after idleness)."""
         if self.balancer is not None:
             seconds, rank = self.balancer.stalled_for()
             return seconds, rank if rank >= 0 else None
-        return self.table.stalled_for(), 0
+        if not self.table.num_unfinished:
+            return 0.0, 0
+        return time.monotonic() - max(self.stats.last_progress, self.table.busy_since), 0
 
-    async def _watch_progress(self, limit_s: float) -> None:
-        """Log an engine that finishes no step for `limit_s` while requests wait (and its recovery)."""
+    async def _watch_progress(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Log an engine that finishes no step for `engine_hang_timeout_s` while requests wait (and
+        its recovery)."""
+        limit_s = self.config.engine_hang_timeout_s
+        assert limit_s is not None
+        task_status.started()
         hung = False
         while True:
             await anyio.sleep(min(1.0, limit_s / 4))
@@ -199,37 +209,6 @@ class Graph(anyio.AsyncContextManagerMixin):
             elif hung and stalled <= limit_s:
                 hung = False
                 log.info("engine progressing again", actor=GRAPH)
-
-
-class _TokenizerPrefetch:
-    """Loads the tokenizer while the engine starts; `get(path)` falls back to loading from the
-    folder the engine reports if the prefetch failed or resolved another folder."""
-
-    def __init__(self) -> None:
-        self._done = anyio.Event()
-        self._path: str | None = None
-        self._model = ""
-        self._tokenizer: Any = None
-
-    async def load(self, model: str) -> None:
-        self._model = model
-        try:
-            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model,
-                                                                         abandon_on_cancel=True)
-        except Exception:  # the engine reports the real problem (or get() raises it again)
-            pass
-        finally:
-            self._done.set()
-
-    async def get(self, model_path: str | None) -> Any:
-        """The tokenizer of `model_path` (None: the engines are all remote, whose paths are theirs:
-        the folder this host resolves for the model)."""
-        await self._done.wait()
-        if self._tokenizer is not None and model_path in (self._path, None):
-            return self._tokenizer
-        if model_path is None:
-            raise EngineStartupError(f"the tokenizer of {self._model!r} could not be loaded on this host")
-        return await anyio.to_thread.run_sync(load_tokenizer, model_path)
 
 
 def _group_limits(readies: list[EngineReady]) -> ModelLimits:
@@ -245,11 +224,6 @@ def _group_limits(readies: list[EngineReady]) -> ModelLimits:
     capacities = [r.limits.kv_capacity_tokens for r in readies if r.limits.kv_capacity_tokens is not None]
     return dataclasses.replace(first, data_parallel_size=len(readies),
                                kv_capacity_tokens=min(capacities) if capacities else None)
-
-
-def _resolve_and_load(model: str) -> tuple[str, Any]:
-    path = str(resolve_model_path(model))
-    return path, load_tokenizer(path)
 
 
 T = TypeVar("T")

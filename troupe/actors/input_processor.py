@@ -2,8 +2,10 @@
 
 Inbox:    `Submission`s from the facades (prompt or chat messages, params, ids, a reply slot), and
           the facades' `AbortRequest`s and `UtilityCall`s, passed through in order (an abort
-          never overtakes the add it cancels).
-Outbox:   `AddRequest`s towards the engine(s) (balancer or engine core).
+          never overtakes the add it cancels); from the output handler, `ReleaseChildren` (n > 1:
+          the children held back for a shared prefill may go now).
+Outbox:   `AddRequest`s towards the engine(s) (balancer or engine core); an n > 1 request as its n
+          children (troupe.output.parallel).
 Owns:     the tokenizer; one task per long prompt (tokenized in a worker thread).
 Shutdown: EndOfStream on the inbox, or cancellation.
 
@@ -17,13 +19,11 @@ submissions.
 
 Logs (`actor=input_processor`): "request submitted" (debug) and "request rejected" (info), each
 with the request's `request_id`, passed on the line (binding it in the context per request costs
-several times more on this hot path).
+more on this hot path).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -72,7 +72,16 @@ class Submission:
         return self.stream
 
 
-FrontendInput = Submission | AbortRequest | UtilityCall
+@dataclass(slots=True, frozen=True)
+class ReleaseChildren:
+    """From the output handler: child 0 of n > 1 request `parent_id` has computed the shared prompt;
+    send the children held back for it (those still live). Through this inbox, so that an abort of
+    the parent, which also comes here, is always ordered with them."""
+
+    parent_id: str
+
+
+FrontendInput = Submission | AbortRequest | UtilityCall | ReleaseChildren
 
 
 class InputProcessorStats(NamedTuple):
@@ -81,27 +90,23 @@ class InputProcessorStats(NamedTuple):
     rejected: int
 
 
-class InputProcessor(anyio.AsyncContextManagerMixin):
+class InputProcessor:
     def __init__(self, tokenizer: Any, limits: ModelLimits, table: RequestTable,
                  inbox: MemoryObjectReceiveStream[FrontendInput], outbox: MemoryObjectSendStream[EngineInput],
-                 *, offload_chars: int = 4096) -> None:
+                 *, offload_chars: int = 4096, share_prefill_tokens: int | None = None) -> None:
+        """`share_prefill_tokens`: the engine's KV block size when it caches prefixes (None: it does
+        not): an n > 1 prompt at least this long is computed once and shared (RequestTable.register)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self._table = table
         self._inbox = inbox
         self._outbox = outbox
         self.offload_chars = offload_chars
+        self.share_prefill_tokens = share_prefill_tokens
         self._submitted = self._offloaded = self._rejected = 0
 
     def statistics(self) -> InputProcessorStats:
         return InputProcessorStats(self._submitted, self._offloaded, self._rejected)
-
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[InputProcessor]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="input_processor")
@@ -110,6 +115,9 @@ class InputProcessor(anyio.AsyncContextManagerMixin):
             async for msg in self._inbox:
                 if isinstance(msg, AbortRequest | UtilityCall):
                     await self._outbox.send(msg)
+                elif isinstance(msg, ReleaseChildren):
+                    for child in self._table.take_held(msg.parent_id):
+                        await self._outbox.send(child)
                 else:
                     await self._handle(msg, tg)
 
@@ -152,17 +160,19 @@ class InputProcessor(anyio.AsyncContextManagerMixin):
         try:
             req = build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
                                 external_id=sub.external_id, priority=sub.priority,
-                                data_parallel_rank=sub.data_parallel_rank)
+                                data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer)
             if sub.abandoned:
                 return
-            sub.stream = self._table.register(req, text)
+            sub.stream, to_send = self._table.register(req, text, share_prefill_tokens=self.share_prefill_tokens)
         except Exception as exc:
             self._reject(sub, exc)
             return
         self._submitted += 1
         sub.done.set()
-        log.debug("request submitted", request_id=sub.external_id, internal_id=req.request_id, prompt_tokens=len(ids))
-        await self._outbox.send(req)
+        log.debug("request submitted", request_id=sub.external_id, internal_id=req.request_id, prompt_tokens=len(ids),
+                  n=req.params.n)
+        for engine_req in to_send:  # the request, or (n > 1) the children to send now
+            await self._outbox.send(engine_req)
 
     def _reject(self, sub: Submission, exc: BaseException) -> None:
         """Answer one submission with its error: a `ValueError` (`InvalidInputError`) as itself,

@@ -2,8 +2,10 @@
 
 Inbox:    `EngineOutput` from the engine(s) (through the balancer when there are several).
 Outbox:   `AbortRequest`s to the engine side for requests that finished on a stop string (the
-          engine does not know about stop strings), and per-request streams (`RequestStream`).
-Owns:     nothing but its task; request state lives in the shared `RequestTable`.
+          engine does not know about stop strings), per-request streams (`RequestStream`), and
+          `ReleaseChildren` to the input processor (n > 1: child 0 has computed the shared prompt).
+Owns:     nothing but its task; request state lives in the shared `RequestTable`, what the engines
+          report of themselves in the shared `EngineStats`.
 Shutdown: EndOfStream on the inbox, or cancellation.
 
 Each `EngineCoreOutputs` is processed in slices of at most `chunk_size` entries with a checkpoint
@@ -16,9 +18,8 @@ its lag since the engine sent it.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from typing import NamedTuple, assert_never
 
 import anyio
@@ -27,6 +28,8 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from troupe.actors.engine_stats import EngineStats
+from troupe.actors.input_processor import FrontendInput, ReleaseChildren
 from troupe.actors.requests import RequestTable
 from troupe.log import trace, trace_enabled
 from troupe.messages import (
@@ -47,34 +50,33 @@ class OutputHandlerStats(NamedTuple):
     slices: int
 
 
-class OutputHandler(anyio.AsyncContextManagerMixin):
-    def __init__(self, table: RequestTable, inbox: MemoryObjectReceiveStream[EngineOutput],
-                 to_engine: MemoryObjectSendStream[EngineInput], *, chunk_size: int = 128) -> None:
+class OutputHandler:
+    def __init__(self, table: RequestTable, stats: EngineStats, inbox: MemoryObjectReceiveStream[EngineOutput],
+                 to_engine: MemoryObjectSendStream[EngineInput], *, chunk_size: int = 128,
+                 to_input: MemoryObjectSendStream[FrontendInput] | None = None) -> None:
         self._table = table
+        self._stats = stats
         self._inbox = inbox
         self._to_engine = to_engine
+        self._to_input = to_input
         self.chunk_size = chunk_size
         self._steps = self._entries = self._slices = 0
 
     def statistics(self) -> OutputHandlerStats:
         return OutputHandlerStats(self._steps, self._entries, self._slices)
 
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[OutputHandler]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
-
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="output_handler")
         task_status.started()
-        async with self._inbox, self._to_engine:
+        async with self._inbox, self._to_engine, contextlib.AsyncExitStack() as stack:
+            if self._to_input is not None:
+                await stack.enter_async_context(self._to_input)
             async for msg in self._inbox:
                 match msg:
                     case EngineCoreOutputs():
                         await self._process(msg)
                     case UtilityResult():
+                        self._stats.progressed()
                         self._table.resolve_utility(msg)
                     case EngineDead():
                         log.error("engine died", engine=msg.engine_index, reason=msg.reason)
@@ -84,7 +86,7 @@ class OutputHandler(anyio.AsyncContextManagerMixin):
 
     async def _process(self, msg: EngineCoreOutputs) -> None:
         self._steps += 1
-        self._table.record_stats(msg)
+        self._stats.record(msg)
         outputs = msg.outputs
         if trace_enabled():
             trace(log, "outputs received", engine=msg.engine_index, outputs=len(outputs),
@@ -93,8 +95,11 @@ class OutputHandler(anyio.AsyncContextManagerMixin):
         for start in range(0, len(outputs), self.chunk_size):
             if start:
                 await anyio.lowlevel.checkpoint()  # let other tasks run between slices
-            to_abort = self._table.process_slice(outputs[start:start + self.chunk_size], msg.engine_index)
+            to_abort, release = self._table.process_slice(outputs[start:start + self.chunk_size], msg.engine_index)
             self._slices += 1
             if to_abort:
                 await self._to_engine.send(AbortRequest(to_abort))
+            if self._to_input is not None:
+                for parent_id in release:
+                    await self._to_input.send(ReleaseChildren(parent_id))
         self._entries += len(outputs)

@@ -1,11 +1,12 @@
 """`RequestTable`: the frontend's book of live requests, shared by the actors of one graph.
 
-It holds the pure `OutputProcessor` (detokenization, stop strings, output kinds), one
-`RequestStream` per request for its consumer, the map from user ids to internal ids, pending
-utility calls, the latest engine stats and the time of the engine's last sign of progress (for hang
-detection: `stalled_for`) and cumulative token counts per engine (for the stats line). All of it is
-touched from the graph's event loop only, so no locks: the input processor registers a request
-*before* sending it to the engine, which orders registration before any output for it.
+The per-request state has one owner, the pure `OutputProcessor` (detokenization, stop strings,
+output kinds, the user-id map), which also holds each request's `RequestStream` (its consumer's
+hand-off) and puts every output, abort and failure there. The table adds the graph's own: the
+engine's death, pending utility calls and the canonical log lines. Engine statistics live apart
+(troupe.actors.engine_stats). All of it is touched from the graph's event loop only, so no locks: the
+input processor registers a request *before* sending it to the engine, which orders registration
+before any output for it.
 
 Logs: the canonical line, "request finished", once per request however it ends (finished, stopped,
 aborted, errored, engine dead): see `log_finished`. At trace level, the hops "output ready" (the
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,8 +25,9 @@ import structlog
 
 from troupe.errors import EngineDeadError
 from troupe.log import trace, trace_enabled
-from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, SchedulerStats, UtilityResult
+from troupe.messages import AddRequest, EngineCoreOutput, UtilityResult
 from troupe.output.collector import RequestOutputCollector
+from troupe.output.parallel import fan_out
 from troupe.output.processor import OutputProcessor
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind
@@ -59,15 +60,6 @@ def log_finished(out: RequestOutput, internal_id: str, *, finish_reason: str | N
              ttft_s=None if ttft is None else round(ttft, 4), total_s=None if total is None else round(total, 4),
              output_tokens_per_s=round(output_tokens / total, 1) if total else None,
              engine=engine, preemptions=preemptions, **extra)
-
-
-class EngineTotals:
-    """Cumulative tokens one engine computed, summed from its per-step stats."""
-
-    __slots__ = ("prompt_tokens", "generation_tokens", "steps")
-
-    def __init__(self) -> None:
-        self.prompt_tokens = self.generation_tokens = self.steps = 0
 
 
 class RequestStream:
@@ -112,77 +104,93 @@ class RequestStream:
 
 
 class RequestTable:
-    def __init__(self, tokenizer: Any) -> None:
+    """The live requests of one graph. Their state has one owner, the `OutputProcessor` (each
+    request's detokenizer, output state and `RequestStream`, under its internal id, with the
+    user-id map); the table adds what belongs to the graph: the engine's death (`dead_error`), the
+    pending utility calls, the canonical log line of each request, and since when requests wait
+    (`busy_since`, for the hang watch). It exists from the graph's start; the tokenizer comes when
+    the engines are ready (`set_tokenizer`)."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
         self.processor = OutputProcessor(tokenizer)
-        self.streams: dict[str, RequestStream] = {}
-        self.by_external: defaultdict[str, set[str]] = defaultdict(set)
         self.dead_error: EngineDeadError | None = None
-        self.engine_stats: dict[int, SchedulerStats] = {}
-        self.engine_totals: dict[int, EngineTotals] = {}
+        self.busy_since = time.monotonic()  # when the first of the live requests came (after idleness)
         self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
         self._call_ids = itertools.count()
-        self.last_progress = time.monotonic()  # last step output or utility reply (or work after idleness)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self.processor.tokenizer = tokenizer
 
     # ------------------------------------------------------------ request lifecycle
 
-    def register(self, req: AddRequest, prompt_text: str | None) -> RequestStream:
+    def register(self, req: AddRequest, prompt_text: str | None, *,
+                 share_prefill_tokens: int | None = None) -> tuple[RequestStream, list[AddRequest]]:
+        """Register a request; returns its stream and what to send to the engine now. With n > 1 the
+        request is a parent of n children (troupe.output.parallel): one stream, and the children to
+        send; when the prompt has at least `share_prefill_tokens` tokens (a KV block; None: no
+        prefix cache), only child 0 goes now and the others wait for its prefill (`take_held`)."""
         if self.dead_error is not None:
             raise self.dead_error
-        if not self.streams:  # work after idleness: the engine's clock starts now
-            self.last_progress = time.monotonic()
-        self.processor.add_request(req.request_id, req.external_id, prompt_text, req.prompt_token_ids,
-                                   req.params)
+        if not self.processor.has_unfinished_requests():  # work after idleness: the engine's clock starts now
+            self.busy_since = time.monotonic()
         stream = RequestStream(req.request_id, req.external_id, req.params.output_kind)
-        self.streams[req.request_id] = stream
-        self.by_external[req.external_id].add(req.request_id)
-        return stream
+        if req.params.n == 1:
+            self.processor.add_request(req.request_id, req.external_id, prompt_text, req.prompt_token_ids,
+                                       req.params, queue=stream)
+            return stream, [req]
+        children = fan_out(req)
+        parent = self.processor.add_parent(req.request_id, req.external_id, req.params.n, req.params.output_kind,
+                                           queue=stream)
+        try:
+            for i, child in enumerate(children):
+                self.processor.add_request(child.request_id, child.external_id, prompt_text, child.prompt_token_ids,
+                                           child.params, parent=parent, index=i)
+        except BaseException:
+            self.processor.discard_parent(req.request_id)
+            raise
+        if share_prefill_tokens is not None and len(req.prompt_token_ids) >= share_prefill_tokens:
+            parent.held = children[1:]
+            return stream, children[:1]
+        return stream, children
 
-    def _drop(self, request_id: str) -> None:
-        stream = self.streams.pop(request_id, None)
-        if stream is not None:
-            ids = self.by_external.get(stream.external_id)
-            if ids is not None:
-                ids.discard(request_id)
-                if not ids:
-                    del self.by_external[stream.external_id]
+    def take_held(self, parent_id: str) -> list[AddRequest]:
+        """n > 1: the children held back for the parent's shared prefill that are still live."""
+        return self.processor.take_held(parent_id)
 
-    def process_slice(self, outputs: list[EngineCoreOutput], engine_index: int | None = None) -> list[str]:
-        """Deliver one slice of the outputs of engine `engine_index`; returns ids the engine must
-        abort (stop strings, and requests whose output processing failed). Logs the canonical line
-        of each request that finished, with `error=` for one that failed (in the engine or here)."""
+    def process_slice(self, outputs: list[EngineCoreOutput],
+                      engine_index: int | None = None) -> tuple[list[str], list[str]]:
+        """Deliver one slice of the outputs of engine `engine_index` (the processor puts each in its
+        request's stream); returns (ids the engine must abort: stop strings, and requests whose
+        output processing failed; n > 1 parents whose held children may go now: `take_held`). Logs
+        the canonical line of each request that finished, with `error=` for one that failed (in the
+        engine or here)."""
         processed = self.processor.process_outputs(outputs, engine_index=engine_index)
-        for rid, exc in processed.failed.items():
-            log.error("request failed", request_id=processed.request_outputs[rid].request_id, internal_id=rid,
+        for rid, (external_id, exc) in processed.failed.items():
+            log.error("request failed", request_id=external_id, internal_id=rid,
                       error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         for rid, out in processed.request_outputs.items():
-            stream = self.streams.get(rid)
-            if stream is not None:
-                stream.put(out)
-                if out.finished:
-                    self._drop(rid)
             if out.finished:
                 if out.error is not None:
                     log_finished(out, rid, error=out.error)
                 else:
                     log_finished(out, rid)
-        return list(processed.reqs_to_abort)
+        return list(processed.reqs_to_abort), processed.release
 
     def internal_ids(self, request_ids: str | Iterable[str]) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        return [internal for ext in ids for internal in self.by_external.get(ext, ())]
+        return [internal for ext in ids for internal in self.processor.internal_ids(ext)]
+
+    def live_ids(self) -> list[str]:
+        return list(self.processor.request_ids())
 
     def abort(self, internal_ids: Iterable[str]) -> list[str]:
-        """Finish these requests with finish_reason 'abort'; returns those that were live."""
-        live = [rid for rid in internal_ids if rid in self.streams]
+        """Finish these requests with finish_reason 'abort' (a parent's id: all its children);
+        returns the live ones the engine knows (children for a parent)."""
+        live = self.processor.engine_ids(internal_ids)
         finals = self.processor.abort_requests(live)
         extra = {} if "actor" in structlog.contextvars.get_contextvars() else {"actor": "frontend"}
-        for rid in live:
-            stream = self.streams[rid]
-            final = finals.get(rid)
-            if final is not None:
-                stream.put(final)
-                log_finished(final, rid, **extra)
-            self._drop(rid)
+        for rid, final in finals.items():
+            log_finished(final, rid, **extra)
         return live
 
     def fail_all(self, reason: str, cause: BaseException | None = None) -> EngineDeadError:
@@ -191,11 +199,7 @@ class RequestTable:
             err = EngineDeadError(f"EngineCore died: {reason}")
             err.__cause__ = cause
             self.dead_error = err
-        for rid, stream in list(self.streams.items()):
-            stream.put_error(self.dead_error)
-            self._drop(rid)
-        finals = self.processor.abort_requests(list(self.processor.request_ids()))
-        for rid, final in finals.items():
+        for rid, final in self.processor.fail_all(self.dead_error).items():
             log_finished(final, rid, finish_reason="error", error=str(self.dead_error))
         for event, _ in self._calls.values():
             event.set()
@@ -203,27 +207,9 @@ class RequestTable:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.streams)
+        return self.processor.num_unfinished_requests
 
-    # ------------------------------------------------------------ stats and utility calls
-
-    def stalled_for(self, now: float | None = None) -> float:
-        """Seconds since the engine last showed progress while requests wait (0 when none wait)."""
-        if not self.streams:
-            return 0.0
-        return (time.monotonic() if now is None else now) - self.last_progress
-
-    def record_stats(self, msg: EngineCoreOutputs) -> None:
-        self.last_progress = time.monotonic()  # one message per step
-        stats = msg.scheduler_stats
-        if stats is not None:
-            self.engine_stats[msg.engine_index] = stats
-            totals = self.engine_totals.get(msg.engine_index)
-            if totals is None:
-                totals = self.engine_totals[msg.engine_index] = EngineTotals()
-            totals.prompt_tokens += stats.num_prompt_tokens
-            totals.generation_tokens += stats.num_generation_tokens
-            totals.steps += 1
+    # ------------------------------------------------------------ utility calls
 
     def new_call(self) -> tuple[int, anyio.Event, list[UtilityResult]]:
         call_id = next(self._call_ids)
@@ -235,7 +221,6 @@ class RequestTable:
         self._calls.pop(call_id, None)
 
     def resolve_utility(self, result: UtilityResult) -> None:
-        self.last_progress = time.monotonic()
         entry = self._calls.get(result.call_id)
         if entry is not None:
             event, box = entry

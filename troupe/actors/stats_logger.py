@@ -1,7 +1,7 @@
 """The stats logger actor: one periodic line of engine throughput and load, silent while idle.
 
-Inbox:    none; every `interval_s` it reads the `RequestTable` (the latest `SchedulerStats` of each
-          engine and the cumulative token counts `record_stats` keeps).
+Inbox:    none; every `interval_s` it reads the `EngineStats` (the latest `SchedulerStats` of each
+          engine and the cumulative token counts) and the number of live requests.
 Outbox:   log lines, `actor=stats_logger`:
           - "stats" (always, the total over all engines): `engines`, `prompt_tokens_per_s`,
             `generation_tokens_per_s`, `running`, `waiting`, `kv_cache_usage` (mean over engines,
@@ -21,15 +21,14 @@ reports that interval's tokens).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
-from troupe.actors.requests import RequestTable
+from troupe.actors.engine_stats import EngineStats
 
 log = structlog.get_logger("troupe.stats")
 
@@ -49,11 +48,11 @@ class StatsLoggerStats(NamedTuple):
     skipped: int  # intervals skipped as idle
 
 
-def snapshot(table: RequestTable) -> dict[int, EngineSnapshot]:
-    """What the table knows of each engine now."""
+def snapshot(stats: EngineStats) -> dict[int, EngineSnapshot]:
+    """What the frontend knows of each engine now."""
     snaps = {}
-    for index, st in table.engine_stats.items():
-        totals = table.engine_totals.get(index)
+    for index, st in stats.latest.items():
+        totals = stats.totals.get(index)
         snaps[index] = EngineSnapshot(totals.prompt_tokens if totals else 0, totals.generation_tokens if totals else 0,
                                       st.prefix_cache_queries, st.prefix_cache_hits, st.num_running, st.num_waiting,
                                       st.kv_cache_usage)
@@ -90,12 +89,13 @@ def stats_lines(prev: dict[int, EngineSnapshot], cur: dict[int, EngineSnapshot],
     return lines
 
 
-class StatsLogger(anyio.AsyncContextManagerMixin):
-    def __init__(self, table: RequestTable, interval_s: float, *,
+class StatsLogger:
+    def __init__(self, stats: EngineStats, live_requests: Callable[[], int], interval_s: float, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        self._table = table
+        self._stats = stats
+        self._live_requests = live_requests
         self.interval_s = interval_s
         self._clock = clock
         self._prev: dict[int, EngineSnapshot] = {}
@@ -105,16 +105,9 @@ class StatsLogger(anyio.AsyncContextManagerMixin):
     def statistics(self) -> StatsLoggerStats:
         return StatsLoggerStats(self._lines, self._skipped)
 
-    @asynccontextmanager
-    async def __asynccontextmanager__(self) -> AsyncGenerator[StatsLogger]:
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run)
-            yield self
-            tg.cancel_scope.cancel()
-
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="stats_logger")
-        self._prev, self._prev_time = snapshot(self._table), self._clock()
+        self._prev, self._prev_time = snapshot(self._stats), self._clock()
         task_status.started()
         while True:
             await anyio.sleep(self.interval_s)
@@ -122,8 +115,8 @@ class StatsLogger(anyio.AsyncContextManagerMixin):
 
     def log_interval(self) -> bool:
         """Log the lines of the interval since the previous call; returns False if it was idle."""
-        cur, now = snapshot(self._table), self._clock()
-        lines = stats_lines(self._prev, cur, now - self._prev_time, self._table.num_unfinished)
+        cur, now = snapshot(self._stats), self._clock()
+        lines = stats_lines(self._prev, cur, now - self._prev_time, self._live_requests())
         self._prev, self._prev_time = cur, now
         if not lines:
             self._skipped += 1

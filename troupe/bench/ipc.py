@@ -45,11 +45,12 @@ def scheduler_only_core(config: Any) -> Any:
     import torch
 
     from troupe.core.engine_core import EngineCore
+    from troupe.core.sampler import SamplerOutput
 
     core = EngineCore(config)
     token = core.runner.null_token_id
     core.runner.execute = lambda seqs: torch.empty(sum(s.needs_logits for s in seqs), 0)  # type: ignore[method-assign]
-    core.sampler.sample = lambda logits, rows: [token] * len(rows)  # type: ignore[method-assign]
+    core.sampler.sample = lambda logits, rows: SamplerOutput([token] * len(rows), [None] * len(rows))  # type: ignore[method-assign]
     return core
 
 

@@ -6,13 +6,19 @@ Flow of one `step()`:
 1. the scheduler picks this step's requests and token counts (continuous batching, chunked
    prefill, preemption when KV blocks run out);
 2. the model runner computes the scheduled tokens through the paged KV cache and returns logits
-   for the requests whose chunk reached their last token;
-3. the sampler picks one token for each of those;
+   for the requests whose chunk reached their last token (and at every position of the chunks of
+   requests that want prompt logprobs, which are computed here);
+3. the sampler picks one token for each of those (with its logprobs when asked), under each
+   structured-output request's grammar bitmask; the grammars then accept the tokens;
 4. the scheduler appends them, checks stop conditions, frees finished requests and returns one
    `EngineCoreOutput` per request with something new.
 
-Per-request fault isolation: an exception that belongs to one request (building its sampling row,
-sampling its row, its stop checks, its add) finishes that request alone with
+Structured outputs: a request with `structured_outputs` waits outside the scheduler while its grammar
+compiles in the `StructuredOutputManager`'s worker thread (never on this step path), and joins the
+scheduler once it is ready; a compilation that fails finishes that request alone with an error.
+
+Per-request fault isolation: an exception that belongs to one request (building its sampling row or
+grammar bitmask, sampling its row, its grammar, its prompt logprobs, its stop checks, its add) finishes that request alone with
 `FinishReason.ERROR` and the error text (`EngineCoreOutput.error`), its blocks freed; the other
 requests and the engine go on. Only what cannot be pinned on one request (the forward, a broken
 invariant) raises out of `step()`, and the engine-core actor reports the engine dead.
@@ -33,15 +39,22 @@ import structlog
 import torch
 
 from troupe.config import EngineConfig
+from troupe.core.batch import ScheduledSeq
 from troupe.core.kv_cache import KVCacheManager
+from troupe.core.logprobs import add_prompt_logprobs, to_lists
 from troupe.core.model_runner import ModelRunner
 from troupe.core.request import Request
-from troupe.core.sampler import SamplingRow, make_sampler
+from troupe.core.sampler import LogprobsRow, SamplingRow, make_sampler
 from troupe.core.scheduler import ScheduledRequest, Scheduler
 from troupe.errors import InvalidInputError
-from troupe.inputs import ModelLimits, validate_prompt_ids
+from troupe.inputs import ModelLimits, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
-from troupe.messages import AddRequest, EngineCoreOutputs, FinishReason
+from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
+from troupe.models.loader import load_tokenizer
+from troupe.structured.backend import bitmask_width
+from troupe.structured.manager import StructuredOutputManager
+
+GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar being compiled
 
 log = structlog.get_logger("troupe.engine")
 
@@ -59,7 +72,12 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
                                    policy="priority" if config.scheduling_policy == "priority" else "fcfs")
-        self.sampler = make_sampler(self.runner.device, seed=config.seed)  # by the model's device
+        self.sampler = make_sampler(self.runner.device, seed=config.seed, logprobs_mode=config.logprobs_mode)
+        model_path = self.runner.model_path
+        self.structured = StructuredOutputManager(lambda: load_tokenizer(model_path), self.runner.vocab_size,
+                                                  list(self.runner.info.eos_token_ids))
+        self._waiting_for_grammar: dict[str, Request] = {}
+        self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
         self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
@@ -73,6 +91,7 @@ class EngineCore:
             eos_token_ids=tuple(self.runner.info.eos_token_ids),
             kv_capacity_tokens=self.kv_capacity_tokens,
             priority_scheduling=config.scheduling_policy == "priority",
+            max_logprobs=config.max_logprobs,
         )
 
     @property
@@ -93,11 +112,20 @@ class EngineCore:
                                     "served; start it with scheduling_policy='priority' to use priorities")
         if msg.max_tokens < 1:
             raise InvalidInputError("max_tokens", f"must be >= 1, got {msg.max_tokens}")
+        if msg.params.n != 1:  # the frontend fans an n > 1 request out into n children of n = 1
+            raise InvalidInputError("n", f"the engine takes one sample per request, got n={msg.params.n}")
+        validate_sampling(msg.params, self.limits)
         req = Request.from_message(msg)
         # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
         req.max_tokens = min(req.max_tokens, self.kv_capacity_tokens - req.num_prompt_tokens)
         generator = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
-        self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
+        spec = msg.params.structured_outputs
+        if spec is None:
+            self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
+        else:
+            self.scheduler.check_fits(req)
+            self.structured.submit(msg.request_id, spec)  # compiles in the manager's thread
+            self._waiting_for_grammar[msg.request_id] = req
         if generator is not None:
             self._generators[msg.request_id] = generator
         self._requests[msg.request_id] = req
@@ -108,7 +136,8 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop these requests and free their blocks; unknown or finished ids are ignored."""
         ids = [r for r in request_ids if r in self._requests]
-        aborted = self.scheduler.finish_requests(ids, FinishReason.ABORT)
+        waiting = [r for r in ids if self._waiting_for_grammar.pop(r, None) is not None]
+        aborted = waiting + self.scheduler.finish_requests(ids, FinishReason.ABORT)
         for rid in aborted:
             req = self._requests[rid]
             log.debug("request aborted", request_id=req.external_id, internal_id=rid,
@@ -119,7 +148,11 @@ class EngineCore:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
+
+    def close(self) -> None:
+        """Stop the grammar compiler's thread (idempotent; also done when the engine is collected)."""
+        self.structured.close()
 
     def has_unreported_finishes(self) -> bool:
         """Requests aborted since the last step, not yet reported in `finished_requests`."""
@@ -140,6 +173,7 @@ class EngineCore:
         self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
         self._added_at.pop(request_id, None)
+        self.structured.forget(request_id)
 
     # ------------------------------------------------------------------ stepping
 
@@ -147,6 +181,7 @@ class EngineCore:
         """Run one scheduling + forward + sampling iteration."""
         tracing = trace_enabled()
         started = time.monotonic() if tracing else 0.0
+        self._admit_grammar_ready()
         sched_out = self.scheduler.schedule()
         for rid in sched_out.preempted_req_ids:
             preempted = self._requests[rid]
@@ -156,14 +191,27 @@ class EngineCore:
             self._trace_scheduled(sched_out.scheduled)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}  # request id -> why it failed (its own fault: see _sample)
+        logprobs: dict[str, LogprobsLists] = {}
+        prompt_logprobs: dict[str, LogprobsLists] = {}
         if sched_out.scheduled:
             seqs = self.scheduler.to_scheduled_seqs(sched_out)
-            logits = self.runner.execute(seqs)  # (S, V)
+            for seq in seqs:
+                seq.prompt_logits = self._requests[seq.request_id].needs_prompt_logits
+            logits = self._prompt_logprobs(seqs, self.runner.execute(seqs), failed, prompt_logprobs)  # (S, V)
             sampling_reqs = [self._requests[s.request_id] for s in seqs if s.needs_logits]
             if sampling_reqs:
-                sampled, failed = self._sample(logits, sampling_reqs)
+                sampled, sample_failed, rows = self._sample(logits, sampling_reqs)
+                failed.update(sample_failed)
+                self._advance_grammars(sampled, failed)
+                logprobs = {rid: to_lists([row]) for rid, row in rows.items()}
             self.step_counter += 1
-        outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed)
+        elif self._waiting_for_grammar:
+            self.structured.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar is ready
+        outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed, logprobs, prompt_logprobs)
+        if self._failed_outside:
+            outputs = self._failed_outside + outputs
+            finished = [o.request_id for o in self._failed_outside] + finished
+            self._failed_outside = []
         for rid in finished:
             if tracing:
                 req = self._requests[rid]
@@ -190,9 +238,82 @@ class EngineCore:
                       waited_s=round(now - added, 5), cached_tokens=max(0, s.request.num_cached_tokens),
                       chunk_tokens=s.num_new_tokens)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[dict[str, int], dict[str, str]]:
-        """One token per request of `reqs` (row i of `logits` (S, V) is `reqs[i]`'s), and the requests
-        that failed: `(sampled, failed)`, by request id.
+    def _admit_grammar_ready(self) -> None:
+        """Requests whose grammar compiled join the scheduler; those whose compilation failed finish."""
+        if not self._waiting_for_grammar:
+            return
+        ready, failed = self.structured.poll()
+        for rid in ready:
+            req = self._waiting_for_grammar.pop(rid, None)
+            if req is not None:
+                self.scheduler.add_request(req)
+        for rid, error in failed.items():
+            req = self._waiting_for_grammar.pop(rid, None)
+            if req is not None:
+                log.error("request failed", request_id=req.external_id, internal_id=rid, error=error)
+                self._failed_outside.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error=error))
+
+    def _fail_now(self, req: Request, error: str) -> None:
+        """Finish a scheduled request with an error outside the sampled-token path (its blocks freed)."""
+        self.scheduler.finish_requests([req.request_id], FinishReason.ERROR)
+        self._failed_outside.append(EngineCoreOutput(req.request_id, [], FinishReason.ERROR, error=error,
+                                                     num_preemptions=req.num_preemptions))
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], logits: torch.Tensor, failed: dict[str, str],
+                         out: dict[str, LogprobsLists]) -> torch.Tensor:
+        """Take the prompt-logits rows out of `logits` (see `troupe.core.batch`), compute those requests'
+        prompt logprobs, and return the rows to sample from, one per seq that needs logits. A request's
+        prompt logprobs go into `out` with its first token."""
+        if any(s.prompt_logits for s in seqs):
+            logits = self._take_prompt_logits(seqs, logits, failed)
+        for seq in seqs:
+            req = self._requests[seq.request_id]
+            if seq.needs_logits and req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                out[req.request_id] = to_lists(req.prompt_logprob_rows)
+                req.prompt_logprobs_sent = True
+        return logits
+
+    def _take_prompt_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor,
+                            failed: dict[str, str]) -> torch.Tensor:
+        keep: list[int] = []
+        at = 0
+        for seq in seqs:
+            n = len(seq.token_ids) if seq.prompt_logits else int(seq.needs_logits)
+            if seq.prompt_logits:
+                req = self._requests[seq.request_id]
+                try:
+                    add_prompt_logprobs(req, logits[at:at + n], seq.start_pos)
+                except Exception as exc:
+                    error = self._request_failed(req, "computing its prompt logprobs", exc)
+                    if seq.needs_logits:
+                        failed[req.request_id] = error
+                    else:
+                        self._fail_now(req, error)
+            if seq.needs_logits:
+                keep.append(at + n - 1)
+            at += n
+        return logits[keep]
+
+    def _advance_grammars(self, sampled: dict[str, int], failed: dict[str, str]) -> None:
+        """Each structured request's grammar accepts its sampled token; one it rejects fails the request."""
+        for rid, token in list(sampled.items()):
+            matcher = self.structured.matcher(rid)
+            if matcher is None:
+                continue
+            try:
+                if not matcher.accept(token):
+                    raise ValueError(f"token {token} is not allowed by the grammar here")
+            except Exception as exc:
+                failed[rid] = self._request_failed(self._requests[rid], "advancing its grammar", exc)
+                del sampled[rid]
+                continue
+            if matcher.terminated:
+                self._requests[rid].grammar_terminated = True
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]
+                ) -> tuple[dict[str, int], dict[str, str], dict[str, LogprobsRow]]:
+        """One token per request of `reqs` (row i of `logits` (S, V) is `reqs[i]`'s), the requests
+        that failed, and the logprobs rows of those that asked: `(sampled, failed, logprobs)`, by id.
 
         Per-request fault isolation: an exception while building one request's sampling row fails
         that request alone; if the batched sampler raises, its rows are sampled again one by one
@@ -209,25 +330,32 @@ class EngineCore:
             except Exception as exc:
                 failed[req.request_id] = self._request_failed(req, "building its sampling row", exc)
         if not rows:
-            return {}, failed
+            return {}, failed, {}
         if len(kept) < len(reqs):
             logits = logits[kept]  # (K, V)
         ids = [reqs[i].request_id for i in kept]
         rewind = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
         try:
-            return dict(zip(ids, self.sampler.sample(logits, rows), strict=True)), failed
+            out = self.sampler.sample(logits, rows)
+            lps = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
+            return dict(zip(ids, out.token_ids, strict=True)), failed, lps
         except Exception as exc:
             log.warning("batched sampling failed: sampling its rows one by one", rows=len(rows),
                         error=f"{type(exc).__name__}: {exc}")
         for generator, state in rewind:
             generator.set_state(state)
         sampled: dict[str, int] = {}
+        logprobs: dict[str, LogprobsRow] = {}
         for i, (rid, row) in enumerate(zip(ids, rows, strict=True)):
             try:
-                sampled[rid] = self.sampler.sample(logits[i:i + 1], [row])[0]
+                one = self.sampler.sample(logits[i:i + 1], [row])
             except Exception as exc:
                 failed[rid] = self._request_failed(self._requests[rid], "sampling", exc)
-        return sampled, failed
+                continue
+            sampled[rid] = one.token_ids[0]
+            if one.logprobs[0] is not None:
+                logprobs[rid] = one.logprobs[0]
+        return sampled, failed, logprobs
 
     @staticmethod
     def _request_failed(req: Request, stage: str, exc: Exception) -> str:
@@ -241,4 +369,11 @@ class EngineCore:
         suppressed: frozenset[int] = frozenset()
         if req.num_output_tokens < req.params.min_tokens:
             suppressed = req.eos_token_ids | req.stop_token_ids
-        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed, req.request_id)
+        bitmask = None
+        matcher = self.structured.matcher(req.request_id)
+        if matcher is not None:
+            bitmask = torch.empty(1, bitmask_width(self.runner.vocab_size), dtype=torch.int32)
+            matcher.fill(bitmask, 0)
+            bitmask = bitmask[0]
+        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed, req.request_id,
+                           req.output_token_ids, req.prompt_token_ids, req.bad_words_token_ids, bitmask)

@@ -11,8 +11,7 @@ Pure bookkeeping, no tensors: it hands out block ids; the model runner owns a KV
 - Prefix cache: a *full* block is keyed by the chain hash `H(parent_hash, block_tokens)`. H is
   BLAKE2b-128 over the parent hash and the int64 token bytes, not Python's `hash()`: cached blocks
   are shared across requests (and users), so a collision would serve one prompt's KV to another;
-  Python's 64-bit tuple hash is fast but not collision-resistant against crafted input. Cost is
-  about 1 us per block. A cached block keeps its hash after it is freed and loses it only when it
+  Python's 64-bit tuple hash is fast but not collision-resistant against crafted input. A cached block keeps its hash after it is freed and loses it only when it
   is popped for a new allocation (eviction). One block per hash: a later block with the same
   content is simply not registered.
 """

@@ -4,7 +4,8 @@
 Contract of `execute(seqs)` (see `troupe.core.batch`): sequence i computes `seqs[i].token_ids` at
 positions `start_pos ..`, its K/V going to the blocks `block_ids` (slot of position p:
 `block_ids[p // block_size] * block_size + p % block_size`); it returns float32 logits
-`(number of seqs with needs_logits, vocab)`, one row per such entry in order, taken at its last token.
+`(rows, vocab)`, one row per entry with `needs_logits` in order, taken at its last token, or one row
+per token of the chunk for an entry with `prompt_logits` (prompt logprobs; `troupe.core.batch`).
 The KV pool is mutated in place; nothing else is. Not thread-safe: one step at a time.
 
 The kernel set (`troupe.kernels`, chosen by `EngineConfig.kernels` and `device` when the runner is
@@ -106,8 +107,7 @@ class ModelRunner:
     def _size_gpu_pool(self, config: EngineConfig, spec: KVSpec) -> int:
         """Blocks for the pool on the GPU: profile the largest step on a throw-away pool, then what
         `gpu_memory_utilization` leaves (unless `num_kv_blocks` / `kv_cache_memory_bytes` say)."""
-        from troupe.core.sampler import SamplingRow
-        from troupe.kernels.cuda.sampling import DeviceSampler
+        from troupe.core.sampler import Sampler, SamplingRow
         from troupe.sampling_params import SamplingParams
 
         seqs = gpu_memory.profile_seqs(config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
@@ -118,7 +118,7 @@ class ModelRunner:
         model_bytes = torch.cuda.memory_allocated() - scratch_bytes  # weights, rope table, step buffers
         rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), None) for _ in seqs]
         activations = gpu_memory.profile_peak(lambda: self.execute(seqs),
-                                              lambda logits: DeviceSampler().sample(logits, rows))
+                                              lambda logits: Sampler().sample(logits, rows))
         self.kv_caches = []
         total, other = gpu_memory.device_usage()
         tokens = sum(len(s.token_ids) for s in seqs)
@@ -170,7 +170,7 @@ class ModelRunner:
         3. The LM head runs on the last token of each seq that needs logits; logits come back on the CPU,
            or stay on the GPU for the device sampler.
         """
-        n_out = sum(s.needs_logits for s in seqs)
+        n_out = sum(len(s.token_ids) if s.prompt_logits else s.needs_logits for s in seqs)
         if self.model is None:
             logits = torch.zeros(n_out, self.vocab_size)  # (N, vocab)
             logits[:, self.null_token_id] = 1.0
@@ -184,6 +184,21 @@ class ModelRunner:
             hidden = self.graphs.replay(batch)  # (N, hidden): every row of a graph step is sampled
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # (T, hidden)
-            hidden = hidden[batch.logits_indices]  # (N, hidden)
+            hidden = hidden[batch.logits_indices if n_out == len(batch.logits_indices) else
+                            _logits_rows(seqs)]  # (N, hidden)
         logits = self.model.compute_logits(hidden)  # (N, vocab)
         return logits if self.device.type == "cuda" else logits.cpu()
+
+
+def _logits_rows(seqs: list[ScheduledSeq]) -> list[int]:
+    """Token indices of the step whose logits are returned when some seq wants all of its chunk's."""
+    rows: list[int] = []
+    start = 0
+    for s in seqs:
+        n = len(s.token_ids)
+        if s.prompt_logits:
+            rows.extend(range(start, start + n))
+        elif s.needs_logits:
+            rows.append(start + n - 1)
+        start += n
+    return rows

@@ -3,7 +3,11 @@
 Contract:
 - `all_token_ids` = prompt followed by generated tokens; `num_computed_tokens` of them have their
   K/V in the cache. The scheduler advances `num_computed_tokens`; the engine appends sampled tokens.
-- Preemption frees every block and resets `num_computed_tokens` to 0 (recompute).
+- Preemption frees every block and resets `num_computed_tokens` to 0 (recompute). What sampling
+  keeps about the request (its output tokens for the penalties and bad words, its grammar matcher, the
+  prompt logprobs computed so far) lives outside the KV cache and survives it.
+- `prompt_logprob_rows` holds one row per prompt token after the first, filled as prefill chunks
+  run; `prompt_logprobs_sent` once they went out with the first token.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ class Request:
         "request_id", "external_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
         "params", "max_tokens", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
-        "stop_reason", "block_hashes",
+        "stop_reason", "block_hashes", "bad_words_token_ids", "prompt_logprob_rows", "prompt_logprobs_sent",
+        "grammar_terminated",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, eos_token_ids: list[int] | None = None, arrival_time: float = 0.0,
-                 priority: int = 0, external_id: str = "") -> None:
+                 priority: int = 0, external_id: str = "", bad_words_token_ids: list[list[int]] | None = None) -> None:
         self.request_id = request_id
         self.external_id = external_id or request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -50,11 +55,15 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks (prefix cache)
+        self.bad_words_token_ids: list[list[int]] = bad_words_token_ids or []
+        self.prompt_logprob_rows: list[tuple[list[int], list[float], int]] = []
+        self.prompt_logprobs_sent = False
+        self.grammar_terminated = False  # the structured-output grammar accepted its end
 
     @classmethod
     def from_message(cls, msg: AddRequest) -> Request:
         return cls(msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens, msg.eos_token_ids,
-                   msg.arrival_time, msg.priority, msg.external_id)
+                   msg.arrival_time, msg.priority, msg.external_id, msg.bad_words_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +76,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions have none yet (so the prefix cache,
+        which skips positions, is not read for it)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprob_rows) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

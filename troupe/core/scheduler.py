@@ -2,8 +2,9 @@
 
 One rule drives everything: each request catches `num_computed_tokens` up to `num_tokens` within a
 per-step token budget. That gives chunked prefill, prefix caching, recompute preemption and
-continuous batching without separate prefill and decode phases. See
-`shared/reference/vllm-semantics.md` §2.10.
+continuous batching without separate prefill and decode phases. Requests that want prompt logprobs
+skip the prefix-cache read while those are incomplete; a structured-output request ends when its grammar
+does (docs/sampling.md).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from troupe.core.batch import ScheduledSeq
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.request import Request, RequestStatus
 from troupe.errors import InvalidInputError
-from troupe.messages import EngineCoreOutput, FinishReason, SchedulerStats
+from troupe.messages import EngineCoreOutput, FinishReason, LogprobsLists, SchedulerStats
 
 
 class ScheduledRequest(NamedTuple):
@@ -128,15 +129,19 @@ class Scheduler:
         """Whether the request fits in the KV pool when it runs alone (else it could never finish)."""
         return self.max_kv_tokens(num_prompt_tokens, max_tokens) <= self.kv_cache.max_tokens_capacity
 
-    def add_request(self, req: Request) -> None:
-        """Queue a new request. Raises `InvalidInputError` if it could never fit in the KV pool."""
-        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
-        assert req.num_prompt_tokens >= 1 and req.status == RequestStatus.WAITING
+    def check_fits(self, req: Request) -> None:
+        """Raise `InvalidInputError` if the request could never fit in the KV pool."""
         if not self.can_fit(req.num_prompt_tokens, req.max_tokens):
             need = self.max_kv_tokens(req.num_prompt_tokens, req.max_tokens)
             raise InvalidInputError(
                 "max_tokens", f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
                 f"needs {need} KV slots; the KV cache holds {self.kv_cache.max_tokens_capacity}")
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises `InvalidInputError` if it could never fit in the KV pool."""
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+        assert req.num_prompt_tokens >= 1 and req.status == RequestStatus.WAITING
+        self.check_fits(req)
         self.requests[req.request_id] = req
         self._push_waiting(req)
 
@@ -186,7 +191,8 @@ class Scheduler:
             head = self._peek_waiting()
             if head is None:
                 break
-            hit_blocks, hit_tokens = kv.get_computed_blocks(head)
+            # prompt logprobs need every prompt position computed: no prefix-cache read (vLLM's rule)
+            hit_blocks, hit_tokens = ([], 0) if head.needs_prompt_logits else kv.get_computed_blocks(head)
             n = min(head.num_tokens - hit_tokens, budget)
             if kv.allocate_slots(head, n, hit_blocks, hit_tokens) is None:
                 break  # no skipping ahead: the head would starve
@@ -218,7 +224,7 @@ class Scheduler:
     # ------------------------------------------------------------------ after the step
 
     def _check_stop(self, req: Request) -> bool:
-        """vLLM's order: min_tokens holds back EOS/stop ids; EOS; stop_token_ids; length."""
+        """vLLM's order: min_tokens holds back EOS/stop ids; EOS; stop_token_ids; the grammar's end; length."""
         last = req.output_token_ids[-1]
         if req.num_output_tokens >= req.params.min_tokens:
             if last in req.eos_token_ids:
@@ -227,15 +233,21 @@ class Scheduler:
             if last in req.stop_token_ids:
                 req.finish_reason, req.stop_reason = FinishReason.STOP, last
                 return True
+        if req.grammar_terminated:  # the structured-output grammar ended (on a stop token)
+            req.finish_reason, req.stop_reason = FinishReason.STOP, None
+            return True
         if req.num_tokens >= self.max_model_len or req.num_output_tokens >= req.max_tokens:
             req.finish_reason = FinishReason.LENGTH
             return True
         return False
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
-                           failed: dict[str, str] | None = None) -> tuple[list[EngineCoreOutput], list[str]]:
+                           failed: dict[str, str] | None = None, logprobs: dict[str, LogprobsLists] | None = None,
+                           prompt_logprobs: dict[str, LogprobsLists] | None = None,
+                           ) -> tuple[list[EngineCoreOutput], list[str]]:
         """Apply one step's sampled tokens (`sampled[request_id]` for each `needs_logits` entry, or
-        `failed[request_id]`, the error text of a request whose sampling failed). Returns one output
+        `failed[request_id]`, the error text of a request whose sampling failed), with their logprobs
+        and prompt logprobs where the engine computed them (passed on in the outputs). Returns one output
         per request that got a token or failed (never for a partial prefill chunk) and the ids that
         finished in this call. A failed request (or one whose stop check raises) finishes with
         `FinishReason.ERROR` and its error text; its blocks are freed like any finished request's."""
@@ -270,7 +282,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req.request_id, new, req.finish_reason, req.stop_reason,
                 num_cached_tokens=max(0, req.num_cached_tokens), num_preemptions=req.num_preemptions,
-                error=error))
+                error=error, new_logprobs=logprobs.get(req.request_id) if logprobs and new else None,
+                prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
             self._finished_ids.extend(finished)

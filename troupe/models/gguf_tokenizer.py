@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from troupe.errors import ModelLoadError
+from troupe.paths import cache_dir
 
 TOKENIZER_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -39,7 +40,6 @@ _SPLIT_REGEX = {  # llama.cpp's llama-vocab.cpp, per pre-tokenizer
 def tokenizer_folder(gguf_path: str | Path) -> Path:
     """The cached tokenizer folder of `gguf_path`, rebuilt from the file on first use (see the module
     docstring)."""
-    from troupe.models.default_model import cache_dir
 
     path = Path(gguf_path).resolve()
     st = path.stat()

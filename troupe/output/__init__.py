@@ -2,8 +2,10 @@
 
 - `detokenizer`: incremental detokenization of one request, stop strings, text hold-back.
 - `stop`: finding stop strings in new text; how much text to withhold.
-- `processor`: `OutputProcessor`, engine outputs -> `RequestOutput`s per output kind.
+- `processor`: `OutputProcessor`, engine outputs -> `RequestOutput`s per output kind; `state`: one
+  request's `RequestState`.
 - `collector`: `RequestOutputCollector`, one request's pending output for its consumer.
+- `parallel`: n > 1, a parent request fanned out into children and their outputs gathered back.
 """
 
 from troupe.output.collector import RequestOutputCollector

@@ -26,9 +26,19 @@ waits with::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go for its consumer: this collector's interface, which the
+    frontend's `RequestStream` (troupe.actors.requests) wraps with a wake-up event."""
+
+    def put(self, output: RequestOutput) -> None: ...
+
+    def put_error(self, exc: BaseException) -> None: ...
 
 
 class RequestOutputCollector:

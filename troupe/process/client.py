@@ -52,8 +52,8 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe.actors.engine_side import MakeCore
 from troupe.config import EngineConfig
+from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineStartupError, first_startup_error
 from troupe.log import trace_enabled
 from troupe.messages import EngineCoreOutputs, EngineDead, EngineInput, EngineOutput, UtilityResult
@@ -71,7 +71,6 @@ from troupe.process.launch import (
 from troupe.process.logs import EngineLog, reemit
 from troupe.process.protocol import (
     EngineHello,
-    EngineReady,
     EngineShutdown,
     EngineStart,
     EngineStartupFailed,

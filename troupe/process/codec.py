@@ -1,21 +1,16 @@
 """msgpack frames for the ZMQ bridges, and what to answer when a frame does not decode.
 
-A message travels as one multipart ZMQ message: frame 0 is the msgspec msgpack of the message; a
-torch tensor anywhere in it is written as `[dtype, shape, data]`, where `data` is the tensor's
-bytes inline when it is smaller than `INLINE_BYTES`, else the index of an extra frame that holds a
-uint8 view of the tensor's memory (sent with `copy=False`: no copy on the way out). On receipt
-`torch.frombuffer` views the frame (no copy either): such a tensor is read-only and aliases the
-frame, so `.clone()` it before writing. No message carries tensors yet (logprobs will).
+A message travels as one ZMQ frame: the msgspec msgpack of the message (every message is plain data:
+ints, floats, strings, lists; nothing carries tensors). The encoder and decoder keep the list-of-frames
+shape of a multipart message, so the bridges send and receive exactly what a socket carries.
 
 `FrameDecoder(T).decode(frames)` is typed and validated; a bad frame raises `msgspec.DecodeError`
-(`ValidationError` is a subclass) or `ValueError` (a bad tensor reference). `reject_input` / `reject_output` then turn the frame, read
+(`ValidationError` is a subclass). `reject_input` / `reject_output` then turn the frame, read
 untyped, into per-request errors where it can be tied to requests (the engine stays up).
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -32,73 +27,29 @@ from troupe.messages import (
 from troupe.process.protocol import FromEngine, ToEngine
 
 T = TypeVar("T")
-INLINE_BYTES = 256  # smaller tensors go inline: an extra frame costs more than the copy
 Buffer = bytes | memoryview
 
 
 class FrameEncoder:
-    """`encode(msg) -> [header, *tensor frames]`. Not thread-safe (one per sending task)."""
+    """`encode(msg) -> [frame]`. Not thread-safe (one per sending task)."""
 
     def __init__(self) -> None:
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._frames: list[Buffer] = []
+        self._encoder = msgspec.msgpack.Encoder()
 
     def encode(self, msg: Any) -> list[Buffer]:
-        self._frames = [b""]
-        try:
-            self._frames[0] = self._encoder.encode(msg)
-            return self._frames
-        finally:
-            self._frames = []
-
-    def _enc_hook(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")  # no torch imported: no tensor can exist
-        if torch is not None and isinstance(obj, torch.Tensor):
-            flat = obj.detach().contiguous().reshape(-1)
-            raw = memoryview(flat.view(torch.uint8).numpy()).cast("B")  # (nbytes,) aliasing the tensor
-            dtype = str(obj.dtype).removeprefix("torch.")
-            if raw.nbytes < INLINE_BYTES:
-                return [dtype, list(obj.shape), raw.tobytes()]
-            self._frames.append(raw)
-            return [dtype, list(obj.shape), len(self._frames) - 1]
-        raise NotImplementedError(f"cannot send a {type(obj).__name__} across the process boundary")
+        return [self._encoder.encode(msg)]
 
 
 class FrameDecoder(Generic[T]):
-    """Typed decoder for `[header, *tensor frames]`. Not thread-safe (one per receiving task)."""
+    """Typed decoder for a message's frames. Not thread-safe (one per receiving task)."""
 
     def __init__(self, type_: Any) -> None:
-        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_, dec_hook=self._dec_hook)
-        self._frames: Sequence[Buffer] = ()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
 
     def decode(self, frames: Sequence[Buffer]) -> T:
-        if not frames:
-            raise msgspec.DecodeError("empty message")
-        self._frames = frames
-        try:
-            return self._decoder.decode(frames[0])
-        finally:
-            self._frames = ()
-
-    def _dec_hook(self, type_: type, obj: Any) -> Any:
-        if type_ is object:  # msgspec asks for `object` fields (UtilityResult.result): as decoded
-            return obj
-        import torch
-
-        if type_ is not torch.Tensor:
-            raise NotImplementedError(f"no decoder for {type_!r}")
-        try:
-            dtype_name, shape, data = obj
-            dtype = getattr(torch, dtype_name)
-            buf = self._frames[data] if isinstance(data, int) else bytearray(data)
-        except (TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise ValueError(f"bad tensor reference {obj!r}: {exc}") from exc
-        if memoryview(buf).nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():  # a zmq frame is read-only: torch warns, the docstring says so
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-        return flat.view(dtype).reshape(shape)
+        if len(frames) != 1:
+            raise msgspec.DecodeError(f"a message is one frame, got {len(frames)}")
+        return self._decoder.decode(frames[0])
 
 
 def _untyped(header: Buffer) -> Any:

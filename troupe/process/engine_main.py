@@ -39,8 +39,9 @@ import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe.actors.engine_side import MakeCore, build_core, ready_info
 from troupe.config import EngineConfig
+from troupe.engine.build import MakeCore, build_core, ready_info
+from troupe.engine.core_actor import EngineCoreActor
 from troupe.errors import EngineStartupError
 from troupe.messages import AbortRequest, AddRequest, EngineInput, UtilityCall
 from troupe.process.bridge import Bridge, engine_identity
@@ -250,8 +251,6 @@ async def _exit_when_frontend_leaves(bridge: Bridge[FromEngine, ToEngine], scope
 
 async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectSendStream[FromEngine],
                       inbox: MemoryObjectReceiveStream[ToEngine]) -> int:
-    from troupe.actors.engine_core_actor import EngineCoreActor
-
     engine_send, engine_recv = anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
     actor = EngineCoreActor(core, engine_recv, outbox.clone(), engine_index=engine_index)
     async with anyio.create_task_group() as tg:

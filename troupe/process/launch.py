@@ -90,8 +90,8 @@ def bare_main() -> Iterator[None]:
 
 # libgomp spin iterations before an idle torch thread sleeps (GOMP_SPINCOUNT), for engine processes. Its
 # own default (300,000) makes a thread spin for a long time when another process holds the core it waits
-# for; 0 (OMP_WAIT_POLICY=PASSIVE) makes every op's hand-off a sleep and wake-up, 15-25% slower per
-# step on a quiet 2-core machine. A short spin bridges the gaps between one op and the next.
+# for; 0 (OMP_WAIT_POLICY=PASSIVE) makes every op's hand-off a sleep and wake-up, which slows each
+# step down. A short spin bridges the gaps between one op and the next.
 ENGINE_SPIN_COUNT = "3000"
 
 

@@ -45,12 +45,13 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.config import EngineConfig
+from troupe.engine.build import EngineReady
 from troupe.errors import EngineStartupError
 from troupe.log import trace_enabled
 from troupe.messages import EngineInput, EngineOutput
 from troupe.process.client import EngineProcess, EngineProcessStats
+from troupe.process.engine_main import serve_headless
 from troupe.process.launch import rank_address
-from troupe.process.protocol import EngineReady
 from troupe.process.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
@@ -82,8 +83,6 @@ class EngineActor:
     def serve(self, endpoint: str, num_threads: int, start_timeout_s: float, log_level: str | None) -> int:
         """The headless engine of this rank, connected to `endpoint`, until the frontend stops it
         (returns its exit code) or goes away (the process exits: troupe.process.engine_main)."""
-        from troupe.process.engine_main import serve_headless
-
         return serve_headless(endpoint, self.engine_index, num_threads=num_threads, log_level=log_level,
                               start_timeout_s=start_timeout_s)
 

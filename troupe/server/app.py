@@ -16,14 +16,12 @@ Structs: `openapi.py`).
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
-import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,11 +32,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from troupe.errors import EngineDeadError, EngineGenerateError
-from troupe.inputs import render_chat, tokenize
+from troupe.inputs import render_chat
 from troupe.server import metrics as metrics_mod
+from troupe.server.chat import TokenizeRequest, conversation, tool_dicts
 from troupe.server.errors import APIError, bad_request, to_api_error
 from troupe.server.openapi import openapi_document
-from troupe.server.protocol import DetokenizeRequest, TokenizeRequest
+from troupe.server.protocol import DetokenizeRequest
 from troupe.server.responses import (
     DetokenizeResponse,
     ModelCard,
@@ -47,16 +46,15 @@ from troupe.server.responses import (
     VersionResponse,
 )
 from troupe.server.serving import (
+    REQUEST_ID,
     create_chat_completion,
     create_completion,
     json_response,
+    offload,
     read_body,
     server_state,
 )
 from troupe.server.state import EngineClient, ServerSettings, ServerState
-
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
-_OFFLOAD_CHARS = 4096  # tokenize longer texts in a worker thread
 
 
 def _error_response(err: APIError) -> Response:
@@ -82,13 +80,14 @@ class RequestIdMiddleware:
             return await self.app(scope, receive, send)
         raw = dict(scope["headers"]).get(b"x-request-id")
         rid = raw.decode("latin-1") if raw is not None else uuid.uuid4().hex
-        if not _REQUEST_ID.fullmatch(rid):
+        if not REQUEST_ID.fullmatch(rid):
             return await _send_error(send, bad_request("X-Request-Id", "must be 1 to 128 visible ASCII characters"))
-        scope.setdefault("state", {})["request_id"] = rid
-        header = (b"x-request-id", rid.encode("latin-1"))
+        state = scope.setdefault("state", {})
+        state["request_id"], state["request_id_from_header"] = rid, raw is not None
 
         async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start":  # the body's request_id may have replaced it
+                header = (b"x-request-id", state["request_id"].encode("latin-1"))
                 message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
@@ -131,15 +130,11 @@ async def version(request: Request) -> Response:
     return json_response(VersionResponse(version=importlib.metadata.version("troupe")))
 
 
-def _max_model_len(llm: EngineClient) -> int | None:
-    return llm.config.max_model_len
-
-
 async def models(request: Request) -> Response:
     state = server_state(request)
     llm = state.engine()
     data = [ModelCard(id=name, created=state.created, owned_by="troupe", root=llm.config.model,
-                      max_model_len=_max_model_len(llm))
+                      max_model_len=llm.max_model_len)
             for name in state.settings.served_model_names]
     return json_response(ModelList(data=data))
 
@@ -164,16 +159,13 @@ async def tokenize_endpoint(request: Request) -> Response:
     llm = state.engine()
     tok = llm.get_tokenizer()
     if req.messages is not None:
-        text, special = render_chat(tok, req.conversation(), req.add_generation_prompt), True
+        text = render_chat(tok, conversation(req.messages), req.add_generation_prompt, tools=tool_dicts(req.tools))
+        special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False  # as chat does
     else:
         assert req.prompt is not None
-        text, special = req.prompt, req.add_special_tokens
-
-    def encode() -> list[int]:
-        return tokenize(tok, text) if special else list(tok(text, add_special_tokens=False)["input_ids"])
-
-    ids = await anyio.to_thread.run_sync(encode) if len(text) > _OFFLOAD_CHARS else encode()
-    return json_response(TokenizeResponse(count=len(ids), max_model_len=_max_model_len(llm), tokens=ids))
+        text, special = req.prompt, req.add_special_tokens is not False
+    ids = await offload(len(text), lambda: list(tok(text, add_special_tokens=special)["input_ids"]))
+    return json_response(TokenizeResponse(count=len(ids), max_model_len=llm.max_model_len, tokens=ids))
 
 
 async def detokenize_endpoint(request: Request) -> Response:

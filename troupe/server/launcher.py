@@ -56,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-engine-death-after", type=float, default=2.0,
                    help="seconds to keep answering 503 after the engine died, then exit 1 (<0: never)")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20)
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
+                   help="how tool calls are read from the output for tool_choice auto (none: not at all)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: troupe parses tool calls unless --tool-call-parser none")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (refused otherwise, as vLLM)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -139,7 +145,9 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
 
     names = args.served_model_name or [engine_options["model"]]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              max_body_bytes=args.max_request_body_bytes)
+                              max_body_bytes=args.max_request_body_bytes,
+                              tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                              trust_request_chat_template=args.trust_request_chat_template)
     app = build_app(settings, lambda: AsyncLLM(**engine_options))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -127,23 +127,25 @@ class RequestRecord:
         self.seen_output = False
         self._first: float | None = None
         self._last: float | None = None
+        self._tokens: dict[int, int] = {}  # sample index -> tokens so far
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
         self.seen_output = True
         if out.prompt_token_ids is not None:
             self.prompt_tokens = len(out.prompt_token_ids)
-        completion = out.outputs[0] if out.outputs else None
-        if completion is not None:
+        for completion in out.outputs:  # one per sample (n > 1: each carries its index)
             new = len(completion.token_ids)
             if self.kind is RequestOutputKind.DELTA:
-                self.generation_tokens += new
+                self._tokens[completion.index] = self._tokens.get(completion.index, 0) + new
             else:
-                self.generation_tokens = new
+                self._tokens[completion.index] = new
             if new:
                 self._first = self._first if self._first is not None else now
                 self._last = now
-            self.finish_reason = completion.finish_reason
+            if completion.finish_reason is not None:
+                self.finish_reason = completion.finish_reason
+        self.generation_tokens = sum(self._tokens.values())
         if out.metrics is not None and out.metrics.first_token_time is not None:
             self._first = out.metrics.first_token_time
             self._last = out.metrics.last_token_time

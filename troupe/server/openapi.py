@@ -17,10 +17,10 @@ from typing import Any
 
 import msgspec
 
-from troupe.server import protocol, responses
+from troupe.server import chat, protocol, responses
 
 _REF = "#/components/schemas/{name}"
-_REQUESTS: list[type] = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
+_REQUESTS: list[type] = [protocol.CompletionRequest, chat.ChatCompletionRequest, chat.TokenizeRequest,
                          protocol.DetokenizeRequest]
 _RESPONSES: list[type] = [responses.CompletionResponse, responses.CompletionChunk, responses.ChatCompletionResponse,
                           responses.ChatCompletionChunk, responses.ModelList, responses.TokenizeResponse,
@@ -75,9 +75,9 @@ def openapi_document(*, api_key: bool = False) -> dict[str, Any]:
         "/v1/completions": _generation("createCompletion", "Text completion", protocol.CompletionRequest,
                                        responses.CompletionResponse, responses.CompletionChunk),
         "/v1/chat/completions": _generation("createChatCompletion", "Chat completion through the chat template",
-                                            protocol.ChatCompletionRequest, responses.ChatCompletionResponse,
+                                            chat.ChatCompletionRequest, responses.ChatCompletionResponse,
                                             responses.ChatCompletionChunk),
-        "/tokenize": _post("tokenize", "Prompt or chat messages to token ids", protocol.TokenizeRequest,
+        "/tokenize": _post("tokenize", "Prompt or chat messages to token ids", chat.TokenizeRequest,
                            responses.TokenizeResponse),
         "/detokenize": _post("detokenize", "Token ids to text", protocol.DetokenizeRequest,
                              responses.DetokenizeResponse),

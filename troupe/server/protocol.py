@@ -1,57 +1,94 @@
-"""OpenAI request bodies as msgspec Structs, and their mapping to `SamplingParams`.
+"""OpenAI / vLLM request bodies as msgspec Structs, and their mapping to `SamplingParams`.
 
-Decoding is strict: a wrong type, a value outside the range the field states (`Meta`, the same
-ranges `SamplingParams` checks, published in `/openapi.json`) or an unknown field is a 400 naming
-the field. OpenAI fields the
-engine does not implement yet are declared so that clients sending their *neutral* value (`n=1`,
-`logprobs=null`, `presence_penalty=0`, ...) are served; any other value is a 400 naming the field
-(`reject_unsupported`), never a silent ignore. vLLM's extras that troupe implements are accepted
-as in vLLM (`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `spaces_between_special_tokens`, `priority`).
-Defaults follow vLLM: completions `max_tokens=16`; chat `max_tokens=None` (up to the context).
+Decoding is strict about types and ranges (`Meta`, the ranges `SamplingParams` checks, published in
+`/openapi.json`): a wrong type or an out-of-range value is a 400 naming the field. Keys a Struct does
+not declare are ignored with a warning (`fields.unknown_fields`), as vLLM's server does; declared
+fields troupe cannot honour are a 400 unless neutral (`fields.reject_unsupported`).
+
+`sampling_params(defaults)` builds the request's `SamplingParams`: DELTA outputs when streaming,
+FINAL_ONLY otherwise; what the request leaves unset comes from `defaults` (the model's
+`generation_config.json`), else the OpenAI default; the optional features (logprobs, penalties,
+logit_bias, structured outputs, ...) are passed only when set, so SamplingParams keeps its own
+defaults. The one output constraint may come from `structured_outputs`, `response_format`, a
+`guided_*` field or (chat) a forced tool call. The chat request lives in `chat.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from troupe.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from troupe.server.errors import bad_request
+from troupe.structured import StructuredOutputsParams
 
 # Ranges the schema (and so /openapi.json) states, the same as SamplingParams checks.
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # the vocabulary's end is the model's: checked later
+NumLogprobs = Annotated[int, Meta(ge=0, le=20)]  # vLLM's default max_logprobs
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+MAX_N = 128  # choices per request: each is an engine request
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's `structured_outputs` object: exactly one constraint, and options for JSON."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+_STRUCTURED = ("structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar")
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
     """The fields completions and chat share."""
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     temperature: Annotated[float, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
     seed: Int64 | None = None  # vLLM's server range: what a torch.Generator takes
     user: str | None = None  # for abuse monitoring at OpenAI; accepted and not used
-    # declared so that neutral values pass; anything else is rejected (see _UNSUPPORTED)
-    n: PositiveInt = 1
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
-    logit_bias: dict[str, float] | None = None
-    # vLLM extras troupe implements
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias, clamped to [-100, 100] as vLLM
+    response_format: ResponseFormat | None = None
+    # vLLM extras
     top_k: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] = 0
     stop_token_ids: list[TokenId] | None = None
@@ -59,61 +96,187 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: Int64 = 0
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    request_id: str | None = None
+    session_id: str | None = None  # a routing hint in vLLM; accepted and not used
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    # declared so that neutral values pass; anything else is a 400 (fields.UNSUPPORTED)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    logprob_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    stream_interval: int | None = None
+    watermarking: bool | None = None
+    routed_experts_prompt_start: int | None = None
+    truncation_side: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
 
-    def sampling_params(self) -> SamplingParams:
-        """The request's SamplingParams: DELTA outputs when streaming, FINAL_ONLY otherwise.
+    def sample_logprobs(self) -> int | None:
+        raise NotImplementedError
 
-        Raises `InvalidInputError` (a 400 naming the field) for out-of-range values.
-        """
+    def default_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def extra_constraint(self) -> dict[str, Any] | None:
+        """A structured-output constraint the endpoint adds itself (chat: a forced tool call)."""
+        return None
+
+    def check(self) -> None:
+        """Cross-field rules the schema cannot state (each a 400 naming the field)."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options is only allowed with stream=true")
-        return SamplingParams(
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs", "prompt_logprobs are not available with stream=true")
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for (any of the fields in `_STRUCTURED`, or a
+        forced tool call), as `StructuredOutputsParams`; None without one."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            spec = msgspec.structs.asdict(self.structured_outputs)
+            found.append(("structured_outputs", {k: v for k, v in spec.items()
+                                                 if v is not None and v is not False}))
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "structural_tag":
+                raise bad_request("response_format.type", "structural_tag is not supported by troupe")
+            if rf.type == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            else:
+                if rf.json_schema is None or rf.json_schema.schema is None:
+                    raise bad_request("response_format.json_schema", "type json_schema needs json_schema.schema")
+                found.append(("response_format", {"json": rf.json_schema.schema}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {key: value}))
+        tool = self.extra_constraint()
+        if tool is not None:
+            found.append(("tool_choice", {"json": tool}))
+        if not found:
+            if self.guided_whitespace_pattern is not None:
+                raise bad_request("guided_whitespace_pattern", "needs guided_json")
+            return None
+        if len(found) > 1:
+            raise bad_request(found[1][0], f"give one output constraint; got {[f for f, _ in found]}")
+        field, spec = found[0]
+        if self.guided_whitespace_pattern is not None:
+            spec["whitespace_pattern"] = self.guided_whitespace_pattern
+        return StructuredOutputsParams(**spec)
+
+    def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """The request's SamplingParams (see the module docstring). Raises `InvalidInputError` (a
+        400 naming the field) for values SamplingParams refuses."""
+        self.check()
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens", self.default_max_tokens())
+        kw: dict[str, Any] = dict(
             n=self.n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            max_tokens=self.requested_max_tokens(),
-            min_tokens=self.min_tokens,
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
+        optional: dict[str, Any] = dict(
+            presence_penalty=pick("presence_penalty", None), frequency_penalty=pick("frequency_penalty", None),
+            repetition_penalty=pick("repetition_penalty", None), logprobs=self.sample_logprobs(),
+            prompt_logprobs=self.prompt_logprobs_wanted(), logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
+            structured_outputs=self.structured_outputs_params(),
+        )
+        kw.update({k: v for k, v in optional.items() if v is not None})  # set only: see the module docstring
+        return SamplingParams(**kw)
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = min(100.0, max(-100.0, bias))
+            except ValueError:
+                raise bad_request("logit_bias", f"keys must be token ids, got {key!r}") from None
+        return out
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 PromptItem = str | TokenId | list[TokenId]
 
 
-class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
+class CompletionRequest(GenerationRequest, kw_only=True):
     """`POST /v1/completions`: a prompt (text or token ids) or a batch of them."""
 
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[PromptItem], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = 16
-    best_of: int | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None  # 0 only with echo
     echo: bool = False
+    logprobs: NumLogprobs | None = None
+    add_special_tokens: bool = True
+    best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    prompt_embeds: Any | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens", "must be >= 1 (0 only with echo=true: the prompt alone)")
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.max_tokens == 0 else self.max_tokens  # echo only: one token is made and dropped
+
+    def default_max_tokens(self) -> int | None:
+        return 16  # OpenAI's and vLLM's completions default
+
+    def sample_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs  # echo with logprobs: the prompt's too (vLLM)
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
-        """One engine prompt per choice: a string, or `{"prompt_token_ids": [...]}`."""
+        """One engine prompt per entry: a string, or `{"prompt_token_ids": [...]}`."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -132,135 +295,6 @@ class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=
         return out
 
 
-class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    # what SDKs echo back for assistant messages; must be empty
-    name: str | None = None
-    refusal: str | None = None
-    annotations: list[Any] | None = None
-    audio: Any | None = None
-    function_call: Any | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
-
-
-_ROLES = ("system", "developer", "user", "assistant")
-
-
-class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
-    """`POST /v1/chat/completions`: a conversation rendered by the model's chat template."""
-
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
-    add_generation_prompt: bool = True
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: Any | None = None
-    response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
-    audio: Any | None = None
-    reasoning_effort: str | None = None
-    prediction: Any | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as `{"role", "content"}` dicts for the chat template (text only)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            where = f"messages[{i}]"
-            if m.role not in _ROLES:
-                raise bad_request(f"{where}.role", f"must be one of {list(_ROLES)} (tools are not supported "
-                                                   f"yet), got {m.role!r}")
-            for field in ("name", "audio", "function_call", "tool_calls", "tool_call_id", "refusal"):
-                if getattr(m, field) is not None:
-                    raise bad_request(f"{where}.{field}", f"`{field}` in messages is not supported by troupe yet")
-            if m.annotations:
-                raise bad_request(f"{where}.annotations", "`annotations` in messages are not supported")
-            out.append({"role": m.role, "content": _text_of(m.content, where)})
-        if not out:
-            raise bad_request("messages", "must be a non-empty list of messages")
-        return out
-
-
-def _text_of(content: str | list[dict[str, Any]] | None, where: str) -> str:
-    if content is None:
-        raise bad_request(f"{where}.content", "content is required")
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{j}]", "only {'type': 'text', 'text': str} content parts are "
-                                                       f"supported, got type {part.get('type')!r}")
-        parts.append(part["text"])
-    return "\n".join(parts)
-
-
-def _none(v: Any) -> bool:
-    return v is None
-
-
-def _none_or_empty(v: Any) -> bool:
-    return v is None or v == [] or v == {}
-
-
-# field -> is its value neutral? (n and the penalties are checked by SamplingParams itself)
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _none_or_empty,
-    "best_of": lambda v: v is None or v == 1,
-    "echo": lambda v: v is False,
-    "suffix": _none,
-    "logprobs": lambda v: v is None or v is False,
-    "top_logprobs": lambda v: v is None or v == 0,
-    "tools": _none_or_empty,
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": _none_or_empty,
-    "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "modalities": lambda v: v is None or v == ["text"],
-    "audio": _none,
-    "reasoning_effort": _none,
-    "prediction": _none,
-    "store": lambda v: v is None or v is False,
-    "service_tier": lambda v: v in (None, "auto", "default"),
-}
-
-
-def reject_unsupported(req: _GenerationRequest) -> None:
-    """A 400 naming the first field set to a value troupe cannot honour yet."""
-    for field, neutral in _UNSUPPORTED.items():
-        if field in req.__struct_fields__:
-            value = getattr(req, field)
-            if not neutral(value):
-                raise bad_request(field, f"`{field}` is not supported by troupe yet (got {value!r}); "
-                                         "leave it unset")
-
-
-class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`POST /tokenize`: a prompt, or chat messages rendered by the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-    def conversation(self) -> list[dict[str, str]]:
-        return ChatCompletionRequest(messages=self.messages or []).conversation()
-
-
-class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[TokenId]
-

@@ -3,7 +3,10 @@ documents (`troupe.server.openapi` builds the schema from these and the request 
 
 Non-streaming answers are one `CompletionResponse` / `ChatCompletionResponse`; streams are SSE
 `data:` events of `CompletionChunk` / `ChatCompletionChunk` (with `usage` present, as null, only
-when `stream_options.include_usage` asked for the final usage chunk); errors are `ErrorResponse`.
+when `stream_options.include_usage` asked for the final usage chunk; filled on every chunk with
+`continuous_usage_stats`); errors are `ErrorResponse`. Fields typed `... | UnsetType` are vLLM's
+extras, sent only when the request asked for them (`return_token_ids`, `prompt_logprobs`) or when
+there are some (`tool_calls`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-FinishReasonText = Literal["stop", "length", "abort", "error"]
+FinishReasonText = Literal["stop", "length", "abort", "error", "tool_calls"]
 StopReason = int | str | None
 
 
@@ -35,12 +38,36 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     error: ErrorInfo
 
 
+class LogprobOut(msgspec.Struct, kw_only=True):
+    """One entry of vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, LogprobOut] | None]
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's legacy logprobs: per token its text, logprob (None for the first prompt token),
+    the top alternatives (text -> logprob) and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonText | None
     stop_reason: StopReason = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -61,17 +88,47 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
 
 
+class ChatLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobContent(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatLogprobContent] | None
+
+
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonText | None
     stop_reason: StopReason = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -81,19 +138,35 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonText | None
     stop_reason: StopReason = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -103,6 +176,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
@@ -112,7 +186,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     owned_by: str
     root: str
     parent: str | None = None
-    max_model_len: int | None
+    max_model_len: int
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -122,7 +196,7 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
     count: int
-    max_model_len: int | None
+    max_model_len: int
     tokens: list[int]
 
 

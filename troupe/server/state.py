@@ -45,14 +45,16 @@ class EngineClient(Protocol):
 
     async def check_health(self) -> None: ...
 
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]: ...
+
     def get_tokenizer(self) -> Any: ...
 
     def generate(self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None,
                  request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput]: ...
-
-    def chat(self, messages: Sequence[Mapping[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, *, add_generation_prompt: bool = True,
-             priority: int = 0) -> AsyncGenerator[RequestOutput]: ...
 
     async def abort(self, request_id: str | Sequence[str]) -> None: ...
 
@@ -62,6 +64,8 @@ class ServerSettings:
     served_model_names: Sequence[str]
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str | None = "hermes"  # parses tool calls for tool_choice "auto"; None: no parsing
+    trust_request_chat_template: bool = False  # may a request bring its own `chat_template`?
 
     @property
     def model_name(self) -> str:
@@ -126,7 +130,7 @@ class ServerState:
             with self._registered(request_id), self.metrics.track(kind, arrival) as record:
                 async for out in outputs:
                     record.observe(out)
-                    if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+                    if out.finished and any(c.finish_reason == "error" for c in out.outputs):
                         raise EngineGenerateError(f"request {out.request_id} failed: {out.error}")
                     yield out
 

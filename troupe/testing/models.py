@@ -3,7 +3,7 @@
 The folder is a real HF folder (config.json, model.safetensors with HF weight names, generation_config.json)
 with the default model's tokenizer files copied in (vocab 49152, chat template, real text), so anything
 that loads a model folder can be tested in well under a second without the 135M weights. It is written
-without importing transformers (several seconds to import here); tests/test_models.py checks that
+without importing transformers (several seconds to import here); tests/models/test_models.py checks that
 transformers reads these folders as the same model. Deterministic for a given seed.
 """
 

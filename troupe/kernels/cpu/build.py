@@ -32,6 +32,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from troupe.paths import cache_dir
+
 CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-DNDEBUG")
 ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f")}
@@ -66,7 +68,6 @@ def isa() -> str:
 
 
 def _cache_root() -> Path:
-    from troupe.models.default_model import cache_dir
 
     return cache_dir() / "kernels"
 

@@ -6,11 +6,11 @@
 - `activation`: `silu_and_mul`;
 - `attention`: `paged_attention` over `attention_prefill` (tiled, causal, chunks after cached context)
   and `attention_decode` (GQA-grouped split-K with a reduce kernel);
-- `sampling`: temperature / min-p / top-k / top-p / greedy on device tensors (torch).
 
 Launchers check metadata only (no host sync) and run on CUDA tensors, or on CPU tensors under
 `TRITON_INTERPRET=1` (how CI checks them; it must be set before this package is imported).
-See docs/kernels.md, "Triton kernels (CUDA)".
+Sampling on CUDA logits is troupe's one batched torch sampler (`troupe.core.sampler`), which runs on
+any device. See docs/kernels.md, "Triton kernels (CUDA)".
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ from troupe.kernels.cuda.cache_write import kv_cache_shape, reshape_and_cache
 from troupe.kernels.cuda.checks import KernelArgumentError
 from troupe.kernels.cuda.norm import fused_add_rms_norm, rms_norm
 from troupe.kernels.cuda.rotary import cos_sin_table, rotary_embedding
-from troupe.kernels.cuda.sampling import DeviceSampler, SamplingTensors, sample
 
 __all__ = [
-    "DeviceSampler",
     "KernelArgumentError",
-    "SamplingTensors",
     "cos_sin_table",
     "decode_splits",
     "fused_add_rms_norm",
@@ -35,6 +32,5 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
-    "sample",
     "silu_and_mul",
 ]

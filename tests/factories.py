@@ -1,0 +1,57 @@
+"""Shared test factories: scheduler-side `Request`s, wire `AddRequest`s, the tiny
+engine's options, and the check that a graph holds no request state. Importable from every test
+folder (`pythonpath = ["tests"]`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import anyio
+
+from troupe.core.request import Request
+from troupe.messages import AddRequest
+from troupe.sampling_params import SamplingParams
+
+EOS = 2
+_ids = itertools.count()
+
+# a small engine for the tiny random Llama (`tiny_llama`): fast to build, room for 64 sequences
+TINY_ENGINE: dict[str, Any] = dict(dtype="float32", max_num_seqs=64, max_num_batched_tokens=256,
+                                   num_kv_blocks=512, block_size=16)
+
+
+def make_request(prompt: list[int] | int = 8, *, max_tokens: int = 16, eos: list[int] | None = [EOS],  # noqa: B006
+                 arrival: float | None = None, rid: str | None = None, priority: int = 0,
+                 **params: Any) -> Request:
+    """A scheduler `Request`; an int prompt means that many tokens unique to this request (no
+    accidental prefix hits). `arrival` defaults to the creation order."""
+    n = next(_ids)
+    tokens = [10_000 * (n + 1) + i for i in range(prompt)] if isinstance(prompt, int) else prompt
+    return Request(rid or f"r{n}", tokens, SamplingParams(max_tokens=max_tokens, **params), max_tokens, eos,
+                   float(n) if arrival is None else arrival, priority)
+
+
+def add_request(rid: str, prompt: list[int] | None = None, *, max_tokens: int = 4, external_id: str | None = None,
+                rank: int | None = None, **params: Any) -> AddRequest:
+    """A wire `AddRequest` (prompt [1, 2, 3] unless given); `params` are `SamplingParams` fields."""
+    return AddRequest(rid, [1, 2, 3] if prompt is None else prompt, SamplingParams(max_tokens=max_tokens, **params),
+                      max_tokens, external_id=rid if external_id is None else external_id,
+                      data_parallel_rank=rank)
+
+
+async def assert_idle(llm: Any) -> None:
+    """No request state is left anywhere in the graph of `llm` (an AsyncLLM), the engine included."""
+    graph = llm._graph
+    assert graph is not None
+    with anyio.fail_after(10):
+        while True:
+            stats = await llm.get_stats()
+            # the published stats (what /metrics shows) come back to idle too, aborts included: the
+            # engine publishes them right after it answers a utility call of the same batch
+            published = all(st.num_running == 0 and st.num_waiting == 0 for st in llm.engine_stats.values())
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0 and published:
+                break
+            await anyio.sleep(0.01)
+    assert graph.table.num_unfinished == 0
+    assert not graph.table.processor.has_unfinished_requests()

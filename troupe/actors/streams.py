@@ -1,0 +1,88 @@
+"""What the graph builds before its actors run: every stream of the graph (`GraphStreams`), and the
+tokenizer, loaded while the engines start (`TokenizerPrefetch`). Used by troupe.actors.graph."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.actors.input_processor import FrontendInput
+from troupe.errors import EngineStartupError
+from troupe.messages import EngineInput, EngineOutput
+from troupe.models.loader import load_tokenizer, resolve_model_path
+
+STREAM_BUFFER = 64
+
+
+class GraphStreams:
+    """Every stream of the graph, bounded, created in one place; each task gets its own clone of a
+    shared end. With several engines the balancer sits between: frontend -> balancer -> engine r,
+    engines -> balancer -> output handler; with one, the frontend talks to the engine directly.
+    Every end is closed when the graph ends (`ends`), also those an actor never got to."""
+
+    def __init__(self, num_engines: int, ends: contextlib.ExitStack) -> None:
+        self.to_engine_send, self.to_engine_recv = anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
+        self.from_engine_send, self.from_engine_recv = anyio.create_memory_object_stream[EngineOutput](STREAM_BUFFER)
+        self.submit_send, self.submit_recv = anyio.create_memory_object_stream[FrontendInput](STREAM_BUFFER)
+        self.per_engine = [anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
+                           for _ in range(num_engines)] if num_engines > 1 else []
+        self.merged_send, self.merged_recv = anyio.create_memory_object_stream[EngineOutput](STREAM_BUFFER)
+        self._ends = ends
+        for end in (self.to_engine_send, self.to_engine_recv, self.from_engine_send, self.from_engine_recv,
+                    self.submit_send, self.submit_recv, self.merged_send, self.merged_recv,
+                    *(e for pair in self.per_engine for e in pair)):
+            ends.enter_context(end)
+
+    def clone(self, end: Any) -> Any:
+        """A clone of `end`, closed with the graph if its user never closes it."""
+        return self._ends.enter_context(end.clone())
+
+    def engine_ends(self) -> list[tuple[MemoryObjectReceiveStream[EngineInput], MemoryObjectSendStream[EngineOutput]]]:
+        """(inbox, outbox) of each engine side. The engines hold clones of the outbox: the stream
+        towards the frontend ends when the last engine stops."""
+        if self.per_engine:
+            inboxes, outbox = [recv for _, recv in self.per_engine], self.merged_send
+        else:
+            inboxes, outbox = [self.to_engine_recv], self.from_engine_send
+        pairs = [(inbox, self.clone(outbox)) for inbox in inboxes]
+        outbox.close()
+        return pairs
+
+
+class TokenizerPrefetch:
+    """Loads the tokenizer while the engine starts; `get(path)` falls back to loading from the
+    folder the engine reports if the prefetch failed or resolved another folder."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._path: str | None = None
+        self._model = ""
+        self._tokenizer: Any = None
+
+    async def load(self, model: str) -> None:
+        self._model = model
+        try:
+            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model,
+                                                                         abandon_on_cancel=True)
+        except Exception:  # the engine reports the real problem (or get() raises it again)
+            pass
+        finally:
+            self._done.set()
+
+    async def get(self, model_path: str | None) -> Any:
+        """The tokenizer of `model_path` (None: the engines are all remote, whose paths are theirs:
+        the folder this host resolves for the model)."""
+        await self._done.wait()
+        if self._tokenizer is not None and model_path in (self._path, None):
+            return self._tokenizer
+        if model_path is None:
+            raise EngineStartupError(f"the tokenizer of {self._model!r} could not be loaded on this host")
+        return await anyio.to_thread.run_sync(load_tokenizer, model_path)
+
+
+def _resolve_and_load(model: str) -> tuple[str, Any]:
+    path = str(resolve_model_path(model))
+    return path, load_tokenizer(path)

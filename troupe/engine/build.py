@@ -1,0 +1,57 @@
+"""Building an EngineCore and describing it to the frontend: shared by the in-process engine side
+(troupe.actors.engine_side) and the engine process (troupe.process.engine_main).
+
+`build_core` applies the test-only fault hooks (troupe.testing.faults) and turns any failure into
+`EngineStartupError` with the traceback text. `ready_info` is the `EngineReady` an engine reports
+once built (over the wire from a process, or directly in-process).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from troupe.config import EngineConfig
+from troupe.errors import EngineStartupError
+from troupe.inputs import ModelLimits
+from troupe.testing import faults
+
+if TYPE_CHECKING:
+    from troupe.core.engine_core import EngineCore
+
+MakeCore = Callable[[EngineConfig], "EngineCore"]
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+    """The engine is ready; also what an in-process engine reports (`pid` is then this process)."""
+
+    engine_index: int
+    pid: int
+    limits: ModelLimits
+    model_path: str  # the resolved model folder: the frontend loads its tokenizer from there
+    num_blocks: int
+    block_size: int
+
+
+def build_core(config: EngineConfig, make_core: MakeCore | None = None, engine_index: int = 0) -> EngineCore:
+    """Build the EngineCore (blocking: a worker thread or the engine process), faults installed."""
+    try:
+        from troupe.core.engine_core import EngineCore  # torch: only where the engine runs
+
+        faults.before_build(config.fault_injection)
+        core = (make_core or EngineCore)(config)
+        core.engine_index = engine_index
+        faults.install(core, config.fault_injection)
+        return core
+    except Exception as exc:
+        raise EngineStartupError.from_cause(exc, traceback.format_exc()) from exc
+
+
+def ready_info(core: EngineCore, engine_index: int = 0) -> EngineReady:
+    return EngineReady(engine_index=engine_index, pid=os.getpid(), limits=core.limits,
+                       model_path=str(core.runner.model_path), num_blocks=core.runner.num_blocks,
+                       block_size=core.runner.block_size)
