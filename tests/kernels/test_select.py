@@ -61,7 +61,7 @@ def test_engine_falls_back_to_eager_with_one_warning(why: str, tmp_path: Path) -
     gguf_path, _ = make_tiny_gguf(tmp_path / "m", default_qtype=QType.Q4_1)
     args = ["generate", "hello world", "--model", str(gguf_path), "--max-tokens", "6", "--temperature", "0",
             "--ignore-eos", "--in-process"]
-    env = dict(os.environ)
+    env = dict(os.environ, TROUPE_LOG_LEVEL="info")  # the CLI logs warnings only unless asked: the runner's line
     if why == "no-compiler":
         env["CXX"] = "no-such-compiler-xyz"
     cmd = [sys.executable, "-c", NO_AVX2] if why == "no-avx2" else [sys.executable, "-m", "troupe.cli"]

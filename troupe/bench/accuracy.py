@@ -6,7 +6,7 @@ expanded to a float32 folder; else `--hf-model`). For each set of `--sets`
 (`name[:kv_cache_dtype][/quantization]`, `troupe.bench.kernel_sets.set_options`) all prompts run together
 in one `EngineCore` (chunked prefill, mixed steps), and the line says how many sequences equal
 transformers' exactly, how many diverge at a near-tie (at the first differing position transformers' logit
-for its own token exceeds its logit for troupe's by less than 0.1, the rule of tests/test_gguf_equality.py;
+for its own token exceeds its logit for troupe's by less than 0.1, the rule of tests/models/test_gguf_equality.py;
 and, looser, troupe's token in transformers' top-5), the first-divergence positions, and the largest and
 mean absolute difference of the logits at each prompt's last position (one prefill per prompt) from
 transformers'. The figures in docs/kernels.md that decide `kv_cache_dtype="auto"` come from this command.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-NEAR_TIE = 0.1  # logits: the near-tie bound of tests/test_gguf_equality.py
+NEAR_TIE = 0.1  # logits: the near-tie bound of tests/models/test_gguf_equality.py
 
 
 def hf_greedy(model_dir: Any, prompts: list[list[int]], n: int
