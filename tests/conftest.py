@@ -62,6 +62,19 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the compiled CPU kernels once, before any test, in a child process (so this process
+    loads nothing). On a fresh machine the build takes a minute or more; inside a test it would count
+    against that test's timeout (a `fail_after` around an engine's start, the 120 s default). Later
+    engines load the cached libraries. Where they cannot build, the engines fall back as they would
+    anyway (the tests of that fallback build in their own cache folders)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", "from troupe.kernels.cpu import available; available()"],
+                   capture_output=True, timeout=1800, check=False)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e/ (engine modes, subprocesses, whole programs) is `slow`."""
     e2e = Path(__file__).parent / "e2e"
