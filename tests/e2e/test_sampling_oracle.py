@@ -24,18 +24,20 @@ import pytest
 import torch
 
 from troupe import LLM, RequestOutput, SamplingParams
-from troupe.models.loader import resolve_model_path
+from troupe.models.default_model import ensure_default_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the default model, transformers as the oracle
 
 ATOL = 2e-3  # float32 troupe vs float32 transformers, different summation orders
-ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_threads=2)
+ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_threads=2)
 PREFIX = "Here is a list of the numbers one, two, three, four, five, six, seven, eight, nine and ten. "
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])
 def model_dir(request: pytest.FixtureRequest, tiny_llama: Path) -> Path:
-    return tiny_llama if request.param == "tiny" else resolve_model_path(None)
+    """The tiny model, or the default model's converted folder: transformers and troupe read the same
+    (dequantized) weights from it."""
+    return tiny_llama if request.param == "tiny" else ensure_default_model()
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(["--dtype", "float32", "--max-model-len", "1024", "--served-model-name", "smol"],
+    with ServerProcess(["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "1024", "--served-model-name", "smol"],
                        tmp_path_factory.mktemp("openai-server")) as srv:
         yield srv
 
@@ -45,9 +45,9 @@ def hf() -> Any:
     """transformers' model on the converted default folder, float32."""
     from transformers import AutoModelForCausalLM
 
-    from troupe.models.loader import resolve_model_path
+    from troupe.models.default_model import ensure_default_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), torch_dtype=torch.float32)
     return model.eval()
 
 
