@@ -67,6 +67,27 @@ def check_linear(qtype: QType) -> None:
                 assert err < 1e-5, f"{qtype.name} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
 
 
+def check_rows_path(qtype: QType) -> None:
+    """The decode-sized paths (0: several weight rows in flight, 2: the former one-row kernel) on every
+    M = 1..4 (and 5, 8: groups of four rows of x) and on N below, at and off the kernel's row group (1, 2,
+    3, 4, 5, 8, 37), with and without bias; and N = 1001 (a run of row groups per thread, then a
+    one-row tail) at M = 1 and 3."""
+    g = torch.Generator().manual_seed(7)
+    for n, ms in [(1, (1, 2, 3, 4)), (2, (1, 4)), (3, (1, 2, 3, 4)), (4, (1, 3)), (5, (1, 2, 3, 4, 5, 8)),
+                  (8, (1, 2, 3, 4)), (N, (1, 2, 3, 4, 5, 8)), (1001, (1, 3))]:
+        w = weight(qtype, n=n, seed=n)
+        ref = w.dequantize().double()
+        for m in ms:
+            x = torch.randn(m, w.shape[1], generator=g)
+            for bias in (None, torch.randn(n, generator=g)):
+                want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
+                for path in (0, 2):
+                    got = ops().linear(x, w.data, int(qtype), bias, path)
+                    assert got.shape == (m, n)
+                    err = rel_err(got, want)
+                    assert err < 1e-5, f"{qtype.name} N={n} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
+
+
 def reference_q8(x: torch.Tensor) -> torch.Tensor:
     """x with each 32-value chunk rounded to its 8-bit grid: d = max|x| / 127, round(x / d) * d."""
     m, k = x.shape
@@ -121,6 +142,7 @@ def check_bad_arguments() -> None:
         (lambda: ops().linear(x, w.data, 99, None, -1), "unknown weight format"),
         (lambda: ops().linear(torch.randn(2, 96), w.data, int(QType.Q4_1), None, -1), "bytes"),
         (lambda: ops().linear(x, w.data, int(QType.Q4_1), torch.randn(5), -1), "bias"),
+        (lambda: ops().linear(x, w.data, int(QType.Q4_1), None, 3), "path"),
         (lambda: ops().embedding(w.data, int(QType.Q4_1), w.shape[1], torch.tensor([N])), "out of range"),
     ):
         try:
@@ -136,6 +158,7 @@ def main() -> None:
     for qtype in FORMATS:
         check_dequantize(qtype)
         check_linear(qtype)
+        check_rows_path(qtype)
     for qtype in INTEGER_FORMATS:
         check_q8(qtype)
     check_quantize_q8()

@@ -83,6 +83,14 @@ def test_kernels_linear_match_reference(qtype: QType) -> None:
 
 
 @needs_build
+@pytest.mark.parametrize("qtype", cases.FORMATS, ids=lambda q: q.name)
+def test_kernels_rows_path_every_small_shape(qtype: QType) -> None:
+    """The decode-sized kernels (several weight rows in flight, and the former one-row kernel) match
+    float64 math for M = 1..4 (and 5, 8) on N below, at and off their row group (1..5, 8, 37, 1001)."""
+    cases.check_rows_path(qtype)
+
+
+@needs_build
 @pytest.mark.parametrize("qtype", cases.INTEGER_FORMATS, ids=lambda q: q.name)
 def test_kernels_q8_activations(qtype: QType) -> None:
     """8-bit activations: exact integer arithmetic on the rounded activations, within 2% of exact."""

@@ -9,6 +9,13 @@ the same machine load, and prints medians: microseconds per call, weight bytes s
 eager. K-quants need K to be a multiple of 256: on the 576-wide shapes they run with K = 512 (and their
 own eager baseline). The head is skipped above 64 rows (it only runs on the rows that sample a token).
 
+`--model-order` times what one decode step does instead: the default model's (or `--model`'s) real
+projections, loaded by the cpu set, called back to back in model order (per layer qkv, o, gate_up, down,
+then the LM head: 121 calls on the default model, its ~96 MB of blocks streaming through the caches as in a
+real step), at each M of `--rows` (default 1,2,4), for the rows path (path 0) and the former one-row-at-a-
+time kernel (path 2), taking turns round by round; it prints the median milliseconds per sequence and the
+ratio.
+
 `--isa both` runs the whole table twice: for this CPU's build, then in a subprocess for the AVX2/FMA
 baseline, with MKL and oneDNN held to AVX2 as well (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), which is
 what an AVX2-only machine runs.
@@ -24,8 +31,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+ROWS_DEFAULT = "1,16,64,512"
 DEFAULT_FORMATS = "Q4_1,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,F16"
 
 
@@ -104,21 +116,78 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                           f"{flops / t / 1e9:.0f} | {med['eager'] * 1e6:.0f} | {med['eager'] / t:.2f} |", flush=True)
 
 
+def run_model_order(model: str | None, rows: Sequence[int], repeats: int) -> None:
+    import torch
+
+    from troupe.kernels.cpu import CpuKernels
+    from troupe.kernels.cpu.build import isa
+    from troupe.kernels.cpu.linear import QuantizedLinear
+    from troupe.models.loader import load_model, resolve_model_path
+
+    path = resolve_model_path(model)
+    lm, _ = load_model(path, kernels=CpuKernels())
+    projections: list[object] = [p for layer in lm.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    projections.append(lm.head)
+    if not all(isinstance(p, QuantizedLinear) and not p.q8 for p in projections):
+        raise SystemExit(f"{path}: every projection must be one quantized weight (no split row groups)")
+    calls = [(p.data, p.qtype, p.bias) for p in projections if isinstance(p, QuantizedLinear)]
+    nbytes = sum(d.numel() for d, _, _ in calls)
+    widths = sorted({_width(d, q) for d, q, _ in calls})
+    linear = torch.ops.troupe_qmm.linear
+    print(f"# {path.name}: {len(calls)} projections, {nbytes / 1e6:.1f} MB of blocks; build: {isa()}; threads: "
+          f"{torch.get_num_threads()}; medians of {repeats} rounds, paths taking turns; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| M | rows path ms | former rows path ms | x former | GB/s |")
+    print("|---|---|---|---|---|")
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in widths}
+        ins = [(xs[_width(d, q)], d, q, b) for d, q, b in calls]
+
+        def sequence(path: int, ins: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = ins) -> float:
+            t = time.perf_counter()
+            for x, d, q, b in ins:
+                linear(x, d, q, b, path)
+            return time.perf_counter() - t
+
+        times: dict[int, list[float]] = {0: [], 2: []}
+        for p in times:
+            sequence(p)  # warm-up
+        for _ in range(repeats):
+            for p, ts in times.items():
+                ts.append(sequence(p))
+        new, old = statistics.median(times[0]), statistics.median(times[2])
+        print(f"| {m} | {new * 1e3:.2f} | {old * 1e3:.2f} | {old / new:.2f} | {nbytes / new / 1e9:.1f} |", flush=True)
+
+
+def _width(data: torch.Tensor, qtype: int) -> int:
+    """K of a weight of (N, row_bytes) blocks in format `qtype`."""
+    from troupe.kernels.quant import QType
+
+    q = QType(qtype)
+    return int(data.shape[1]) // q.type_size * q.block_size
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m troupe.bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default=DEFAULT_FORMATS, help="comma-separated QType names")
-    p.add_argument("--rows", default="1,16,64,512", help="comma-separated M")
+    p.add_argument("--rows", default=ROWS_DEFAULT, help="comma-separated M")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--q8", action="store_true", help="also time 8-bit activations (linear_q8)")
     p.add_argument("--isa", choices=["native", "avx2", "both"], default="native")
+    p.add_argument("--model-order", action="store_true",
+                   help="time one decode step's projections of a real model in model order (see above)")
+    p.add_argument("--model", default=None, help="with --model-order: a GGUF file (default: the default model)")
     args = p.parse_args(argv)
+    if args.model_order and args.rows == ROWS_DEFAULT:
+        args.rows = "1,2,4"
     if args.isa in ("native", "both"):
         _run_here(args)
     if args.isa in ("avx2", "both"):  # a fresh process: the ISA is chosen when the library loads
-        child = ["--formats", args.formats, "--rows", args.rows, "--shapes", args.shapes, "--repeats",
+        child = [*(["--model-order"] if args.model_order else []), *(["--model", args.model] if args.model else []),
+                 "--formats", args.formats, "--rows", args.rows, "--shapes", args.shapes, "--repeats",
                  str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
                  *(["--q8"] if args.q8 else []), "--isa", "native"]
         env = {**os.environ, "TROUPE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -131,6 +200,9 @@ def _run_here(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.model_order:
+        run_model_order(args.model, [int(r) for r in args.rows.split(",")], args.repeats)
+        return
     run(args.formats.split(","), [int(r) for r in args.rows.split(",")], args.repeats, args.q8,
         args.shapes.split(","))
 

@@ -5,8 +5,8 @@
 //
 // Paths, by the number of rows M (the choice in qmatmul_linear; docs/kernels.md has the figures). N is
 // split across threads in every one; each weight block is decoded once per call.
-// - rows (M <= 4, decode): a block is decoded into registers and multiplied into all M rows at once;
-//   memory-bound: the weights stream once.
+// - rows (M <= 4, decode; qmatmul_rows.h): each block is decoded into registers and multiplied into all M
+//   rows at once, several weight rows in flight; the weights stream once, prefetched ahead.
 // - panel (M > 4): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all M
 //   rows by it with a register-blocked dot-product kernel (measured level with oneDNN's packed float32
 //   GEMM on the same shapes, on both ISAs; a BLAS sgemm per tile was slower).
@@ -25,6 +25,7 @@
 // Dequantized values must be the reference's bit for bit: no multiply-add fused behind our back (the
 // FMAs of the dot products are explicit intrinsics, which this does not touch).
 #pragma GCC optimize("fp-contract=off")
+#include "qmatmul_rows.h"
 #include "quant.h"
 
 namespace {
@@ -60,48 +61,6 @@ void decode_row(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
-// ------------------------------------------------------------------------------- rows path (small M)
-
-// out[m * ldo + n] = dot(x[m], W[n]) for the MB rows of x, n in [n0, n1)
-template <int Q, int MB>
-void rows_kernel(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0,
-                 int64_t n1, float* out, int64_t ldo, const float* bias) {
-  using F = Fmt<Q>;
-  const int64_t nb = K / F::QK;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    Vf acc[MB][NV];
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + b * F::QK;
-      F::decode(row + b * F::BYTES, [&](int c, const Vf* wv) {
-        for (int m = 0; m < MB; ++m)
-          for (int j = 0; j < NV; ++j) acc[m][j] = vfma(wv[j], vload(xb + m * ldx + 32 * c + W * j), acc[m][j]);
-      });
-    }
-    const float add = bias ? bias[n] : 0.0f;
-    for (int m = 0; m < MB; ++m) {
-      Vf s = acc[m][0];
-      for (int j = 1; j < NV; ++j) s = vadd(s, acc[m][j]);
-      out[m * ldo + n] = vsum(s) + add;
-    }
-  }
-}
-
-template <int Q>
-void rows_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
-               const float* bias) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: rows_kernel<Q, 1>(x, K, w, row_bytes, K, n0, n1, out, N, bias); break;
-      case 2: rows_kernel<Q, 2>(x, K, w, row_bytes, K, n0, n1, out, N, bias); break;
-      case 3: rows_kernel<Q, 3>(x, K, w, row_bytes, K, n0, n1, out, N, bias); break;
-      default: rows_kernel<Q, 4>(x, K, w, row_bytes, K, n0, n1, out, N, bias); break;
-    }
-  });
-}
-
 // ------------------------------------------------------------------------------- panel path (moderate M)
 //
 // A thread decodes a tile of NT weight rows into a 64-byte aligned float32 scratch (NT x K), then computes
@@ -123,21 +82,6 @@ inline int64_t tile_rows(int64_t M, int64_t N, int64_t K) {
   const int64_t by_cache = std::max<int64_t>(32, (int64_t{1} << 19) / (4 * K));
   const int64_t by_threads = (N + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
   return std::max<int64_t>(8, (std::min(by_cache, by_threads) + NR - 1) / NR * NR);
-}
-
-// the sums of the lanes of a0..a3, as one 4-float vector
-inline __m128 sum4(Vf a0, Vf a1, Vf a2, Vf a3) {
-#if defined(__AVX512F__)
-  __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-#else
-  __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
-  __m256 s = _mm256_hadd_ps(s01, s23);
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-#endif
 }
 
 // out[m * ldo + n] = dot(x[m], p[n]) (+ bias[n]) for m < mr, n < NR; p: NR decoded rows of K floats
@@ -264,7 +208,9 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "troupe_qmm: bias must be (N,) float32");
     b = bias->data_ptr<float>();
   }
-  if (path < 0) path = M <= ROWS_MAX_M ? 0 : 1;  // -1: by M; 0 rows, 1 panel: forced (tests, benchmarks)
+  // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time)
+  if (path < 0) path = M <= ROWS_MAX_M ? 0 : 1;
+  TORCH_CHECK(path >= 0 && path <= 2, "troupe_qmm: path must be -1 (by M), 0, 1 or 2, got ", path);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -273,9 +219,12 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
   const float* xp = xc.data_ptr<float>();
   dispatch(qtype, [&](auto q) {
     constexpr int Q = decltype(q)::value;
-    if (path == 0) {
-      for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX_M)
-        rows_path<Q>(xp + m0 * K, std::min(ROWS_MAX_M, M - m0), K, wp, rb, N, o + m0 * N, b);
+    if (path == 0 || path == 2) {
+      for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX_M) {
+        const int64_t mb = std::min(ROWS_MAX_M, M - m0);
+        if (path == 0) rows_path<Q>(xp + m0 * K, mb, K, wp, rb, N, o + m0 * N, b);
+        else rows1_path<Q>(xp + m0 * K, mb, K, wp, rb, N, o + m0 * N, b);
+      }
     } else {
       panel_path<Q>(xp, M, K, wp, rb, N, o, b);
     }
