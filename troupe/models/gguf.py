@@ -167,7 +167,9 @@ class GGUFWeights:
         if info.ggml_type not in KEPT_TYPES:
             return _dense(self.file, gname, self._warned)
         qtype = QType(info.ggml_type)
-        data = torch.from_numpy(self.file.raw(gname).copy()).reshape(info.shape[0], -1)  # (N, row_bytes)
+        # (N, row_bytes); shaped before it becomes a tensor: a view would keep this buffer alive through its
+        # base after a kernel set moves the view's storage elsewhere (troupe.kernels.cpu.arena)
+        data = torch.from_numpy(self.file.raw(gname).copy().reshape(info.shape[0], -1))
         return QuantizedTensor(qtype, data, (info.shape[0], info.shape[1]))
 
 

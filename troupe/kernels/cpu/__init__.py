@@ -24,6 +24,7 @@ import torch
 from troupe.kernels.base import EmbeddingOp, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step
 from troupe.kernels.cpu import fused
 from troupe.kernels.cpu import linear as qlinear
+from troupe.kernels.cpu.arena import WeightArena
 from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
 from troupe.kernels.cpu.build import BuildError, load_ops
 from troupe.kernels.eager import EagerKernels
@@ -55,11 +56,12 @@ class CpuKernels(EagerKernels):
         super().__init__(decode_row_cache_bytes=0)
         self.kv_dtype = KV_DTYPES[kv_cache_dtype]
         self.quantize_activations = quantize_activations
+        self.arena = WeightArena()  # the blocks of every quantized projection (arena.py)
 
     # ------------------------------------------------------------------ weights
 
     def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
-        return qlinear.linear(weight, bias, self.quantize_activations)
+        return qlinear.linear(weight, bias, self.quantize_activations, self.arena)
 
     def embedding(self, table: Weight) -> EmbeddingOp:
         return qlinear.embedding(table)

@@ -5,6 +5,8 @@
   `linear_q8` (8-bit activations, `"gguf-q8"`: integer dot products for decode-sized batches, the float path
   above `Q8_MAX_M` rows). Dense weights (Hugging Face folders, F32 GGUF tensors, `"dequantize"`) keep the
   eager set's oneDNN-packed float32 projection, which the compiled float kernels only match (docs/kernels.md).
+- The blocks a projection computes on are moved into the set's `WeightArena` (`arena.py`: huge-page
+  memory, in binding order) when the projection is made; a tied embedding follows its head there.
 - `embedding(table)`: a quantized table expands only the looked-up rows (`troupe_qmm.embedding`), with the
   reference's values bit for bit.
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from troupe.kernels.base import EmbeddingOp, LinearOp
+from troupe.kernels.cpu.arena import WeightArena
 from troupe.kernels.eager.linear import Linear
 from troupe.kernels.quant import QType, QuantizedTensor, Weight, dense
 
@@ -33,7 +36,10 @@ class QuantizedLinear:
 
     __slots__ = ("data", "qtype", "bias", "q8")
 
-    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, quantize_activations: bool) -> None:
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, quantize_activations: bool,
+                 arena: WeightArena | None = None) -> None:
+        if arena is not None:
+            arena.place(weight.data)  # in place: the weight's other holders follow
         self.data = weight.data  # (N, row_bytes) uint8
         self.qtype = int(weight.qtype)
         self.bias = bias.detach().float().contiguous() if bias is not None else None  # (N,)
@@ -46,11 +52,13 @@ class QuantizedLinear:
         return y if dtype == torch.float32 else y.to(dtype)
 
 
-def linear(weight: Weight, bias: torch.Tensor | None, quantize_activations: bool) -> LinearOp:
-    """The projection of `weight` for the cpu set (see the module docstring)."""
+def linear(weight: Weight, bias: torch.Tensor | None, quantize_activations: bool,
+           arena: WeightArena | None = None) -> LinearOp:
+    """The projection of `weight` for the cpu set (see the module docstring); `arena`: where its blocks
+    are moved (None: they stay where they are)."""
     if computes_on_blocks(weight):
         assert isinstance(weight, QuantizedTensor)
-        return QuantizedLinear(weight, bias, quantize_activations)
+        return QuantizedLinear(weight, bias, quantize_activations, arena)
     lin = Linear(dense(weight), bias)
     lin.pack()
     return lin
