@@ -12,9 +12,10 @@ own eager baseline). The head is skipped above 64 rows (it only runs on the rows
 `--model-order` times what one decode step does instead: the default model's (or `--model`'s) real
 projections, loaded by the cpu set, called back to back in model order (per layer qkv, o, gate_up, down,
 then the LM head: 121 calls on the default model, its ~96 MB of blocks streaming through the caches as in a
-real step), at each M of `--rows` (default 1,2,4), for the rows path (path 0) and the former one-row-at-a-
-time kernel (path 2), taking turns round by round; it prints the median milliseconds per sequence and the
-ratio.
+real step), at each M of `--rows` (default 1,2,4), taking turns round by round: the rows path (path 0) on
+the blocks where the cpu set keeps them (its huge-page weight arena), the same on a plain copy of them, and
+the former one-row-at-a-time kernel (path 2) on the plain copy (what main ran). It prints the median
+milliseconds per sequence and the ratio of the last to the first.
 
 `--isa both` runs the whole table twice: for this CPU's build, then in a subprocess for the AVX2/FMA
 baseline, with MKL and oneDNN held to AVX2 as well (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), which is
@@ -137,26 +138,35 @@ def run_model_order(model: str | None, rows: Sequence[int], repeats: int) -> Non
     print(f"# {path.name}: {len(calls)} projections, {nbytes / 1e6:.1f} MB of blocks; build: {isa()}; threads: "
           f"{torch.get_num_threads()}; medians of {repeats} rounds, paths taking turns; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| M | rows path ms | former rows path ms | x former | GB/s |")
-    print("|---|---|---|---|---|")
+    plain = [(d.clone(), q, b) for d, q, b in calls]  # the blocks in ordinary (4 KiB-page) memory, as on main
+    print("| M | rows path, arena ms | rows path, plain memory ms | former rows path, plain memory ms | "
+          "x former | GB/s |")
+    print("|---|---|---|---|---|---|")
+    Call = tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]  # x, blocks, format, bias
     for m in rows:
         xs = {k: torch.randn(m, k) for k in widths}
-        ins = [(xs[_width(d, q)], d, q, b) for d, q, b in calls]
+        cands: dict[str, tuple[int, list[Call]]] = {
+            "new": (0, [(xs[_width(d, q)], d, q, b) for d, q, b in calls]),
+            "new plain": (0, [(xs[_width(d, q)], d, q, b) for d, q, b in plain]),
+            "former plain": (2, [(xs[_width(d, q)], d, q, b) for d, q, b in plain]),
+        }
 
-        def sequence(path: int, ins: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = ins) -> float:
+        def sequence(path: int, ins: list[Call]) -> float:
             t = time.perf_counter()
             for x, d, q, b in ins:
                 linear(x, d, q, b, path)
             return time.perf_counter() - t
 
-        times: dict[int, list[float]] = {0: [], 2: []}
-        for p in times:
-            sequence(p)  # warm-up
+        times: dict[str, list[float]] = {c: [] for c in cands}
+        for kernel_path, ins in cands.values():
+            sequence(kernel_path, ins)  # warm-up
         for _ in range(repeats):
-            for p, ts in times.items():
-                ts.append(sequence(p))
-        new, old = statistics.median(times[0]), statistics.median(times[2])
-        print(f"| {m} | {new * 1e3:.2f} | {old * 1e3:.2f} | {old / new:.2f} | {nbytes / new / 1e9:.1f} |", flush=True)
+            for name, ts in times.items():
+                ts.append(sequence(*cands[name]))
+        med = {c: statistics.median(ts) for c, ts in times.items()}
+        new = med["new"]
+        print(f"| {m} | {new * 1e3:.2f} | {med['new plain'] * 1e3:.2f} | {med['former plain'] * 1e3:.2f} | "
+              f"{med['former plain'] / new:.2f} | {nbytes / new / 1e9:.1f} |", flush=True)
 
 
 def _width(data: torch.Tensor, qtype: int) -> int:
