@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "q8_gemm.h"
 #include "quant_q8.h"
 
 at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
@@ -23,10 +24,11 @@ using namespace troupe_quant;
 
 constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
 #if defined(__AVX512F__)
-constexpr int64_t Q8_MAX_M = 2;  // larger batches: the float path (measured crossover)
+constexpr int64_t Q8_MAX_M = 2;  // the rows kernel up to this M (measured crossover)
 #else
 constexpr int64_t Q8_MAX_M = 4;
 #endif
+constexpr int64_t GEMM_MIN_M = Q8_MAX_M + 1;  // the tiled GEMM from this M (measured crossover)
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -129,21 +131,39 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
 
 }  // namespace
 
-// The projection with 8-bit activations; `path` -1: by M (larger batches and float formats: the float
-// path), 0: the integer kernel whatever M (tests).
+// The projection with 8-bit activations; `path` -1: by M (the rows kernel up to Q8_MAX_M rows, the tiled
+// GEMM from GEMM_MIN_M where the format has one, else the float path; float formats: the float path),
+// 0: the rows kernel whatever M, 1: the GEMM whatever M (a format without one: the rows kernel) (tests).
 at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                              int64_t path) {
-  const bool integer = dispatch_q8(qtype, [](auto) {});
-  if (!integer || (path < 0 && x.size(0) > Q8_MAX_M)) return qmatmul_linear(x, w, qtype, bias, -1);
+  bool gemm = false;
+  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
+  const int64_t M = x.dim() == 2 ? x.size(0) : 0;
+  if (path < 0) path = M <= Q8_MAX_M ? 0 : (gemm && M >= GEMM_MIN_M ? 1 : -1);
+  if (!integer || path < 0) return qmatmul_linear(x, w, qtype, bias, -1);
   at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t K = x.size(1), N = w.size(0), nc = K / 32;
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, K / 32}, x.options());
+  at::Tensor xd = at::empty({M, nc}, x.options());
   at::Tensor xds = at::empty({M, K / 16}, x.options());
   quantize_rows(xc.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>());
   out = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (path == 1 && gemm && M > 0) {
+    at::Tensor xs = at::empty({M, nc}, x.options());  // d * the sum of q, per chunk
+    const float* ds = xds.data_ptr<float>();
+    float* s = xs.data_ptr<float>();
+    for (int64_t i = 0; i < M * nc; ++i) s[i] = ds[2 * i] + ds[2 * i + 1];
+    dispatch_q8(qtype, [&](auto q) {
+      constexpr int Q = decltype(q)::value;
+      if constexpr (gemm_supported<Q>()) {
+        q8_gemm<Q>(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), s, M, K, w.data_ptr<uint8_t>(), w.size(1), N,
+                   out.data_ptr<float>(), b);
+      }
+    });
+    return out;
+  }
   dispatch_q8(qtype, [&](auto q) {
     q8_linear<decltype(q)::value>(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>(), M, K,
                                   w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b);
