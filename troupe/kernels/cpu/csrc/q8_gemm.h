@@ -70,6 +70,7 @@ inline GI g_rows4(const uint8_t* p, int64_t stride, int j) {
   return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (j + 12) * stride)), 3);
 }
 inline GI g_and(GI a, GI b) { return _mm512_and_si512(a, b); }
+inline GI g_xor(GI a, GI b) { return _mm512_xor_si512(a, b); }
 inline GI g_srli16(GI a, int n) { return _mm512_srli_epi16(a, n); }
 inline GI g_set1_8(char v) { return _mm512_set1_epi8(v); }
 inline GI g_unpacklo32(GI a, GI b) { return _mm512_unpacklo_epi32(a, b); }
@@ -150,6 +151,7 @@ inline GI g_rows4(const uint8_t* p, int64_t stride, int j) {  // rows j, j + 4
                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * stride)));
 }
 inline GI g_and(GI a, GI b) { return _mm256_and_si256(a, b); }
+inline GI g_xor(GI a, GI b) { return _mm256_xor_si256(a, b); }
 inline GI g_srli16(GI a, int n) { return _mm256_srli_epi16(a, n); }
 inline GI g_set1_8(char v) { return _mm256_set1_epi8(v); }
 inline GI g_unpacklo32(GI a, GI b) { return _mm256_unpacklo_epi32(a, b); }
@@ -204,6 +206,14 @@ constexpr int gemm_umax() {
 template <int Q>
 constexpr bool gemm_supported() {
   return Q != Q6_K && (G_VNNI || 2 * gemm_umax<Q>() * 127 <= 32767);
+}
+
+// The smallest M the GEMM takes when chosen by M (measured crossovers, both ISAs, docs/kernels.md): from 2
+// rows for the formats with a transposing unpack (Q4_0, Q4_1, Q8_0); the K-quants unpack row by row,
+// which costs as much as the rows kernel's work up to 3 rows.
+template <int Q>
+constexpr int64_t gemm_min_m() {
+  return Q == Q4_0 || Q == Q4_1 || Q == Q8_0 ? 2 : 4;
 }
 
 // Unpack weight rows [n0, n0 + GL) (rows >= N: zeros) into group scratch: bytes (C x 8 vectors) and a, b
@@ -274,6 +284,26 @@ inline void gemm_unpack_q4(const uint8_t* w, int64_t rb, int64_t n0, int64_t K, 
     } else {
       for (int r = 0; r < GL; ++r) gb[c * GL + r] = -8.0f * ga[c * GL + r];
     }
+  }
+}
+
+// Q8_0, a whole group: each row's 32 signed bytes transposed 4 at a time (g_transpose), offset to
+// unsigned (q + 128, b = -128 a); the scales from one gather per chunk.
+inline void gemm_unpack_q8_0(const uint8_t* w, int64_t rb, int64_t n0, int64_t K, uint8_t* dst, float* ga, float* gb) {
+  const int64_t C = K / 32;
+  const uint8_t* base = w + n0 * rb;
+  const GI flip = g_set1_8(static_cast<char>(0x80));
+  alignas(64) float hi[GL];
+  for (int64_t c = 0; c < C; ++c) {
+    const uint8_t* blk = base + c * 34;
+    __m256i rows[GL];
+    for (int r = 0; r < GL; ++r) rows[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + r * rb + 2));
+    GI out[8];
+    g_transpose(rows, out);
+    uint8_t* o = dst + c * 8 * sizeof(GI);
+    for (int k = 0; k < 8; ++k) g_store_i(o + k * sizeof(GI), g_xor(out[k], flip));
+    g_f16_pairs(blk, rb, ga + c * GL, hi);
+    for (int r = 0; r < GL; ++r) gb[c * GL + r] = -128.0f * ga[c * GL + r];
   }
 }
 
@@ -378,6 +408,12 @@ void q8_gemm(const int8_t* xq, const float* xd, const float* xs, int64_t M, int6
         if constexpr (Q == Q4_0 || Q == Q4_1) {
           if (n0 + GL <= N) {
             gemm_unpack_q4<Q>(w, rb, n0, K, wq + g * group_bytes, ga + g * C * GL, gb + g * C * GL);
+            continue;
+          }
+        }
+        if constexpr (Q == Q8_0) {
+          if (n0 + GL <= N) {
+            gemm_unpack_q8_0(w, rb, n0, K, wq + g * group_bytes, ga + g * C * GL, gb + g * C * GL);
             continue;
           }
         }

@@ -1,9 +1,12 @@
-// The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk, integer dot products with the weight
-// blocks (quant_q8.h has the formats and the arithmetic). Each weight block is decoded to bytes once per
-// group of up to 4 rows of x and multiplied into all of them; N is split across threads. Batches of more
-// than Q8_MAX_M rows, and the float formats (F32/F16/BF16), take the output-exact float path
-// (qmatmul.cpp): once a decoded block is reused over several rows, float FMAs do as much per instruction
-// as the integer dot plus its per-chunk scaling (docs/kernels.md has the figures).
+// The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk (each row once per call), integer dot
+// products with the weight blocks (quant_q8.h has the formats and the arithmetic). Two kernels:
+// - the tiled GEMM (q8_gemm.h), from gemm_min_m rows (2, K-quants 4): weight tiles unpacked to bytes once
+//   per call, register-blocked integer dot products; every format but Q6_K (per-16 scales), and Q8_0 only
+//   where the CPU has VNNI;
+// - the rows kernel (below), for fewer rows and Q6_K up to Q8_MAX_M rows: each weight block decoded to
+//   bytes once per group of up to 4 rows of x and multiplied into all of them; N split across threads.
+// Anything else (Q6_K batches, Q8_0 batches without VNNI, the float formats F32/F16/BF16) takes the
+// output-exact float path (qmatmul.cpp). docs/kernels.md has the measured crossovers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,7 +31,6 @@ constexpr int64_t Q8_MAX_M = 2;  // the rows kernel up to this M (measured cross
 #else
 constexpr int64_t Q8_MAX_M = 4;
 #endif
-constexpr int64_t GEMM_MIN_M = Q8_MAX_M + 1;  // the tiled GEMM from this M (measured crossover)
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -131,15 +133,19 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
 
 }  // namespace
 
-// The projection with 8-bit activations; `path` -1: by M (the rows kernel up to Q8_MAX_M rows, the tiled
-// GEMM from GEMM_MIN_M where the format has one, else the float path; float formats: the float path),
+// The projection with 8-bit activations; `path` -1: by M (the tiled GEMM from gemm_min_m rows where the
+// format has one, else the rows kernel up to Q8_MAX_M rows, else the float path; float formats: the float path),
 // 0: the rows kernel whatever M, 1: the GEMM whatever M (a format without one: the rows kernel) (tests).
 at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                              int64_t path) {
   bool gemm = false;
-  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
+  int64_t gemm_from = 0;
+  const bool integer = dispatch_q8(qtype, [&](auto q) {
+    gemm = gemm_supported<decltype(q)::value>();
+    gemm_from = gemm_min_m<decltype(q)::value>();
+  });
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
-  if (path < 0) path = M <= Q8_MAX_M ? 0 : (gemm && M >= GEMM_MIN_M ? 1 : -1);
+  if (path < 0) path = gemm && M >= gemm_from ? 1 : (M <= Q8_MAX_M ? 0 : -1);
   if (!integer || path < 0) return qmatmul_linear(x, w, qtype, bias, -1);
   at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
   const int64_t K = x.size(1), N = w.size(0), nc = K / 32;
