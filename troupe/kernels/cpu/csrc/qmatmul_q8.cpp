@@ -46,10 +46,15 @@ inline int32_t hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Chunks of x a thread quantizes at least (~64k values, some 30 us): a smaller x is quantized on the
+// calling thread, so that a small call opens one parallel region, not two (on a loaded machine each one
+// can wait a whole scheduler slice for a thread that lost its core).
+constexpr int64_t QUANT_GRAIN = 2048;
+
 // x (M, K) -> q (M, K) int8, d (M, K/32): the chunk scales, ds (M, K/16): d * the sums of q per 16 values
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds) {
   const int64_t nc = K / 32;
-  at::parallel_for(0, M * nc, 256, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, M * nc, QUANT_GRAIN, [&](int64_t i0, int64_t i1) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = i0; i < i1; ++i) {
