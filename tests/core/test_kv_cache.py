@@ -68,12 +68,16 @@ def test_allocate_fails_without_side_effects() -> None:
 
 
 def test_free_is_lru_tail_first() -> None:
-    """Freed blocks go to the queue tail, each request's tail block first (prefix evicted last)."""
+    """Freed cached blocks go to the queue tail, each request's tail block first (prefix evicted last)."""
     kv = KVCacheManager(8, BS)
     a, b = make_request(12), make_request(8)
     kv.allocate_slots(a, 12)
     kv.allocate_slots(b, 8)
+    a.num_computed_tokens, b.num_computed_tokens = 12, 8
+    kv.cache_blocks(a)
+    kv.cache_blocks(b)
     ta, tb = kv.get_block_ids(a.request_id), kv.get_block_ids(b.request_id)
+    assert all(kv.block_hash[x] is not None for x in ta + tb)
     untouched = free_order(kv)
     kv.free(a)
     kv.free(b)
@@ -81,6 +85,34 @@ def test_free_is_lru_tail_first() -> None:
     assert free_order(kv) == untouched + ta[::-1] + tb[::-1]
     assert kv.num_free_blocks == kv.num_usable_blocks
     check_invariants(kv)
+
+
+def test_uncached_blocks_are_reused_first() -> None:
+    """A freed block that holds no cached prefix (prefix caching off, or a partial block) goes to the
+    queue's front: the next allocation takes it before any never-used or cached block, so a pool's
+    written blocks stay as few as its peak use."""
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
+    a = make_request(6)  # two blocks, the second partial
+    kv.allocate_slots(a, 6)
+    ta = kv.get_block_ids(a.request_id)
+    never_used = free_order(kv)
+    kv.free(a)
+    assert free_order(kv) == ta + never_used  # the prefix block first, then the tail block
+    b = make_request(6)
+    kv.allocate_slots(b, 6)
+    assert kv.get_block_ids(b.request_id) == ta
+    check_invariants(kv)
+
+    cached = KVCacheManager(8, BS)  # with caching on: the full block keeps its hash and goes to the tail
+    c = make_request(6)
+    cached.allocate_slots(c, 6)
+    c.num_computed_tokens = 6
+    cached.cache_blocks(c)
+    full, partial = cached.get_block_ids(c.request_id)
+    rest = free_order(cached)
+    cached.free(c)
+    assert free_order(cached) == [partial] + rest + [full]
+    check_invariants(cached)
 
 
 @pytest.mark.parametrize(("prompt_len", "expected_hit_tokens"), [
@@ -145,9 +177,9 @@ def test_eviction_order_is_lru() -> None:
     a, b = make_request(old), make_request(new)
     compute(kv, a)
     compute(kv, b)
-    kv.free(a)  # a's blocks (tail first) enter the queue before b's
+    kv.free(a)  # a's cached block enters the queue before b's; the partial blocks go to its front
     kv.free(b)
-    assert kv.allocate_slots(make_request(8), 8) is not None  # pops a's two blocks
+    assert kv.allocate_slots(make_request(12), 12) is not None  # both partial blocks, then a's cached one
     assert kv.get_computed_blocks(make_request(old)) == ([], 0)
     assert kv.get_computed_blocks(make_request(new))[1] == 4
 

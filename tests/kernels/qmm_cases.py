@@ -89,26 +89,52 @@ def check_rows_path(qtype: QType) -> None:
 
 
 def reference_q8(x: torch.Tensor) -> torch.Tensor:
-    """x with each 32-value chunk rounded to its 8-bit grid: d = max|x| / 127, round(x / d) * d."""
+    """x with each 32-value chunk rounded to its 8-bit grid: d = max|x| / 127, round(x * (1 / d)) * d (the
+    kernel's float32 reciprocal, so that ties round alike)."""
     m, k = x.shape
     chunks = x.reshape(m, k // 32, 32)
     d = chunks.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(chunks / torch.where(d == 0, torch.ones_like(d), d))
+    q = torch.round(chunks * torch.where(d == 0, torch.zeros_like(d), 1 / d))
     return (q * d).reshape(m, k)
 
 
+Q8_PATHS = {0: "rows kernel", 1: "tiled GEMM"}
+
+
 def check_q8(qtype: QType) -> None:
-    """8-bit activations: the integer kernel equals float math on the 8-bit-rounded x (up to float32
-    rounding), and stays within 2% (of the largest output) of the exact projection."""
-    w = weight(qtype)
-    ref = w.dequantize().double()
+    """8-bit activations on every integer path (the rows kernel, the tiled GEMM, the choice by M): the
+    kernel equals float math on the 8-bit-rounded x (up to float32 rounding), and stays within 2% (of the
+    largest output) of the exact projection. M covers the micro-kernel's remainders (7, 300 rows), N = 37
+    a partial group of weight rows; a wider (N = 300, K = 1536) weight splits into several tiles a thread."""
+    cases = [(weight(qtype), ROWS), (wide_weight(qtype), [19, 64])]
     g = torch.Generator().manual_seed(2)
-    for m in ROWS:
-        x = torch.randn(m, w.shape[1], generator=g)
-        bias = torch.randn(N, generator=g)
-        got = ops().linear_q8(x, w.data, int(qtype), bias, 0)
-        assert rel_err(got, reference_q8(x).double() @ ref.T + bias.double()) < 1e-5, f"{qtype.name} M={m}"
-        assert rel_err(got, x.double() @ ref.T + bias.double()) < 0.02, f"{qtype.name} M={m}: q8 error too large"
+    for w, rows in cases:
+        n, k = w.shape
+        ref = w.dequantize().double()
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            bias = torch.randn(n, generator=g)
+            outs = {path: ops().linear_q8(x, w.data, int(qtype), bias, path) for path in (0, 1)}
+            for path, got in outs.items():
+                name = Q8_PATHS[path]
+                assert got.shape == (m, n) and got.dtype == torch.float32
+                err = rel_err(got, reference_q8(x).double() @ ref.T + bias.double())
+                assert err < 1e-5, f"{qtype.name} N={n} M={m} {name}: rel err {err:.1e} against the rounded x"
+                err = rel_err(got, x.double() @ ref.T + bias.double())
+                assert 1e-6 < err < 0.02, f"{qtype.name} N={n} M={m} {name}: q8 error {err:.1e} out of bounds"
+            # by M: one of the integer paths' results, or the exact float path's (formats without a GEMM)
+            chosen = ops().linear_q8(x, w.data, int(qtype), bias, -1)
+            exact = ops().linear(x, w.data, int(qtype), bias, -1)
+            assert any(torch.equal(chosen, o) for o in (*outs.values(), exact)), f"{qtype.name} M={m}: by M"
+        no_bias = ops().linear_q8(x, w.data, int(qtype), None, 1)
+        assert rel_err(no_bias, reference_q8(x).double() @ ref.T) < 1e-5, f"{qtype.name}: GEMM without bias"
+
+
+def wide_weight(qtype: QType) -> QuantizedTensor:
+    """(300, 1536) in `qtype`: more weight rows than one tile of the GEMM holds at this K."""
+    w = random_quantized(qtype, 300, 1536, torch.Generator().manual_seed(7))
+    assert isinstance(w, QuantizedTensor)
+    return w
 
 
 def check_quantize_q8() -> None:
@@ -118,7 +144,7 @@ def check_quantize_q8() -> None:
     q, d, ds = ops().quantize_q8(x)
     chunks = x.reshape(5, 3, 32)
     want_d = chunks.abs().amax(-1) / 127
-    want_q = torch.round(chunks / torch.where(want_d == 0, torch.ones_like(want_d), want_d).unsqueeze(-1))
+    want_q = torch.round(chunks * torch.where(want_d == 0, torch.zeros_like(want_d), 1 / want_d).unsqueeze(-1))
     assert torch.equal(d, want_d)
     assert torch.equal(q.reshape(5, 3, 32).float(), want_q)
     want_ds = (want_q.reshape(5, 6, 16).sum(-1) * want_d.repeat_interleave(2, dim=1))

@@ -93,7 +93,8 @@ def test_kernels_rows_path_every_small_shape(qtype: QType) -> None:
 @needs_build
 @pytest.mark.parametrize("qtype", cases.INTEGER_FORMATS, ids=lambda q: q.name)
 def test_kernels_q8_activations(qtype: QType) -> None:
-    """8-bit activations: exact integer arithmetic on the rounded activations, within 2% of exact."""
+    """8-bit activations on the rows kernel and the tiled GEMM: exact integer arithmetic on the rounded
+    activations, within 2% of exact, irregular M and N."""
     cases.check_q8(qtype)
 
 
@@ -136,9 +137,9 @@ def test_cpu_set_linear_and_embedding() -> None:
     assert isinstance(lin, QuantizedLinear)
     assert cases.rel_err(lin(x), want) < 1e-5
     assert cases.rel_err(lin(x.bfloat16()).float(), want) < 2e-2 and lin(x.bfloat16()).dtype == torch.bfloat16
-    # one row (a decode step) takes the integer kernel: really quantized, and close; a batch the float path
+    # one row (a decode step) takes the rows kernel, a batch the tiled GEMM: both really quantized, and close
     assert 1e-6 < cases.rel_err(q8.linear(w, b)(x[:1]), want[:1]) < 2e-2
-    assert cases.rel_err(q8.linear(w, b)(torch.cat([x] * 3)), torch.cat([want] * 3)) < 1e-5
+    assert 1e-6 < cases.rel_err(q8.linear(w, b)(torch.cat([x] * 3)), torch.cat([want] * 3)) < 2e-2
     dense = torch.randn(40, 64)
     assert cases.rel_err(exact.linear(dense.clone(), b)(x), x.double() @ dense.double().T + b.double()) < 1e-5
     narrow = random_quantized(QType.F16, 40, 40)  # rows not whole 32-value chunks: expanded, eager path

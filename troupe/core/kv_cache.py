@@ -7,7 +7,10 @@ Pure bookkeeping, no tensors: it hands out block ids; the model runner owns a KV
 - Block 0 is the reserved *null block* (as in vLLM): never handed out, so the model runner may pad
   block tables and slot mappings with 0. Usable blocks are `1 .. num_blocks - 1`.
 - Free blocks sit in an LRU queue (an `OrderedDict`: O(1) pop-front, append, remove-from-middle).
-  `free` releases a request's blocks tail first, so its prefix blocks stay cached longest.
+  `free` releases a request's blocks tail first, so its prefix blocks stay cached longest. A freed block
+  that holds no cached prefix (no hash: prefix caching off, or a partial block) goes to the queue's
+  front instead: it is reused before any cached block is evicted, and the pool's written blocks stay
+  as few as the peak use needs (a CPU pool's pages are committed on first write: `kernels.base.zeros`).
 - Prefix cache: a *full* block is keyed by the chain hash `H(parent_hash, block_tokens)`. H is
   BLAKE2b-128 over the parent hash and the int64 token bytes, not Python's `hash()`: cached blocks
   are shared across requests (and users), so a collision would serve one prompt's KV to another;
@@ -52,7 +55,8 @@ class KVCacheManager:
     - `cache_blocks(req)` registers the request's full blocks whose tokens are all computed
       (`req.num_computed_tokens`); call it after the step that computed them ran.
     - `free(req)` drops the block table: `ref_cnt -= 1` per block, tail first; blocks reaching 0
-      join the free queue tail (cached ones keep their hash). Idempotent.
+      join the free queue tail (cached ones keep their hash), or its front if they hold no hash.
+      Idempotent.
     Invariants: a block is in the free queue iff its `ref_cnt` is 0; `ref_cnt` equals the number of
     block tables holding it; a block with a hash is full and never written again.
     """
@@ -199,3 +203,5 @@ class KVCacheManager:
             assert self.ref_cnt[b] >= 0
             if self.ref_cnt[b] == 0:
                 self._free[b] = None
+                if self.block_hash[b] is None:  # nothing cached in it: reused first
+                    self._free.move_to_end(b, last=False)

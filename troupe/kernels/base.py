@@ -35,10 +35,12 @@ Every op has a plain-torch reference in `troupe.kernels.reference`, which tests 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -107,6 +109,22 @@ class KVSpec:
     max_num_seqs: int
 
 
+POOL_ALIGN = 64  # bytes: a KV pool starts on a cache line
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero-filled tensor for a KV pool. On the CPU its memory is committed lazily: the zeros come from
+    calloc (`numpy.zeros`), which for a large block maps fresh zero pages and writes none of them, so a page
+    joins the process's resident memory only when a block on it is first written. A pool sized for the
+    worst case then costs only the blocks that requests have used (the scheduler's free queue hands out
+    the same blocks again first: `KVCacheManager`). Elsewhere: `torch.zeros`."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + POOL_ALIGN, dtype=np.uint8)  # calloc: untouched zero pages
+    start = -raw.ctypes.data % POOL_ALIGN  # calloc aligns to 16 bytes; vector loads want whole cache lines
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
 class KernelSet(abc.ABC):
     """One implementation of the model's heavy ops (see the module docstring for the contract)."""
 
@@ -150,10 +168,7 @@ class KernelSet(abc.ABC):
         a mask hides must hold no NaN."""
         shape = self.kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = self.kv_cache_dtype(spec.dtype)
-        return [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(spec.num_layers)
-        ]
+        return [(zeros(shape, dtype, self.device), zeros(shape, dtype, self.device)) for _ in range(spec.num_layers)]
 
     # ------------------------------------------------------------------ per step
 

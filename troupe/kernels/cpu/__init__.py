@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from troupe.kernels.base import EmbeddingOp, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step
+from troupe.kernels.base import (EmbeddingOp, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step,
+                                 zeros)
 from troupe.kernels.cpu import fused
 from troupe.kernels.cpu import linear as qlinear
 from troupe.kernels.cpu.arena import WeightArena
@@ -79,11 +80,11 @@ class CpuKernels(EagerKernels):
         return (num_blocks, num_kv_heads, head_dim, block_size)
 
     def allocate_kv(self, spec: KVSpec) -> list[LayerKV]:
-        """Zero-filled (K, V) pools per layer in the set's layout; no row cache."""
+        """Zero-filled (K, V) pools per layer in the set's layout (committed lazily: `base.zeros`); no row
+        cache."""
         args = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         k_shape, v_shape = self.k_cache_shape(*args), self.kv_cache_shape(*args)
-        return [(torch.zeros(k_shape, dtype=self.kv_dtype), torch.zeros(v_shape, dtype=self.kv_dtype))
-                for _ in range(spec.num_layers)]
+        return [(zeros(k_shape, self.kv_dtype), zeros(v_shape, self.kv_dtype)) for _ in range(spec.num_layers)]
 
     # ------------------------------------------------------------------ per step / per layer
 

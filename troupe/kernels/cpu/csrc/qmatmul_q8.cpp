@@ -1,9 +1,12 @@
-// The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk, integer dot products with the weight
-// blocks (quant_q8.h has the formats and the arithmetic). Each weight block is decoded to bytes once per
-// group of up to 4 rows of x and multiplied into all of them; N is split across threads. Batches of more
-// than Q8_MAX_M rows, and the float formats (F32/F16/BF16), take the output-exact float path
-// (qmatmul.cpp): once a decoded block is reused over several rows, float FMAs do as much per instruction
-// as the integer dot plus its per-chunk scaling (docs/kernels.md has the figures).
+// The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk (each row once per call), integer dot
+// products with the weight blocks (quant_q8.h has the formats and the arithmetic). Two kernels:
+// - the tiled GEMM (q8_gemm.h), from gemm_min_m rows (2, K-quants 4): weight tiles unpacked to bytes once
+//   per call, register-blocked integer dot products; every format but Q6_K (per-16 scales), and Q8_0 only
+//   where the CPU has VNNI;
+// - the rows kernel (below), for fewer rows and Q6_K up to Q8_MAX_M rows: each weight block decoded to
+//   bytes once per group of up to 4 rows of x and multiplied into all of them; N split across threads.
+// Anything else (Q6_K batches, Q8_0 batches without VNNI, the float formats F32/F16/BF16) takes the
+// output-exact float path (qmatmul.cpp). docs/kernels.md has the measured crossovers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,6 +15,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "q8_gemm.h"
 #include "quant_q8.h"
 
 at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
@@ -23,7 +27,7 @@ using namespace troupe_quant;
 
 constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
 #if defined(__AVX512F__)
-constexpr int64_t Q8_MAX_M = 2;  // larger batches: the float path (measured crossover)
+constexpr int64_t Q8_MAX_M = 2;  // the rows kernel up to this M (measured crossover)
 #else
 constexpr int64_t Q8_MAX_M = 4;
 #endif
@@ -42,10 +46,16 @@ inline int32_t hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Chunks of x a thread quantizes at least (~512k values, some 100-150 us on one thread, a few % of the
+// projection that follows): a smaller x is quantized on the calling thread, so that a call opens one
+// parallel region, not two (on a loaded machine each region can wait a whole scheduler slice, ~12 ms
+// measured, for a thread that lost its core).
+constexpr int64_t QUANT_GRAIN = 16384;
+
 // x (M, K) -> q (M, K) int8, d (M, K/32): the chunk scales, ds (M, K/16): d * the sums of q per 16 values
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* ds) {
   const int64_t nc = K / 32;
-  at::parallel_for(0, M * nc, 256, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, M * nc, QUANT_GRAIN, [&](int64_t i0, int64_t i1) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = i0; i < i1; ++i) {
@@ -129,21 +139,43 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
 
 }  // namespace
 
-// The projection with 8-bit activations; `path` -1: by M (larger batches and float formats: the float
-// path), 0: the integer kernel whatever M (tests).
+// The projection with 8-bit activations; `path` -1: by M (the tiled GEMM from gemm_min_m rows where the
+// format has one, else the rows kernel up to Q8_MAX_M rows, else the float path; float formats: the float path),
+// 0: the rows kernel whatever M, 1: the GEMM whatever M (a format without one: the rows kernel) (tests).
 at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                              int64_t path) {
-  const bool integer = dispatch_q8(qtype, [](auto) {});
-  if (!integer || (path < 0 && x.size(0) > Q8_MAX_M)) return qmatmul_linear(x, w, qtype, bias, -1);
+  bool gemm = false;
+  int64_t gemm_from = 0;
+  const bool integer = dispatch_q8(qtype, [&](auto q) {
+    gemm = gemm_supported<decltype(q)::value>();
+    gemm_from = gemm_min_m<decltype(q)::value>();
+  });
+  const int64_t M = x.dim() == 2 ? x.size(0) : 0;
+  if (path < 0) path = gemm && M >= gemm_from ? 1 : (M <= Q8_MAX_M ? 0 : -1);
+  if (!integer || path < 0) return qmatmul_linear(x, w, qtype, bias, -1);
   at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t K = x.size(1), N = w.size(0), nc = K / 32;
   const at::Tensor xc = x.contiguous();
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, K / 32}, x.options());
+  at::Tensor xd = at::empty({M, nc}, x.options());
   at::Tensor xds = at::empty({M, K / 16}, x.options());
   quantize_rows(xc.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>());
   out = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (path == 1 && gemm && M > 0) {
+    at::Tensor xs = at::empty({M, nc}, x.options());  // d * the sum of q, per chunk
+    const float* ds = xds.data_ptr<float>();
+    float* s = xs.data_ptr<float>();
+    for (int64_t i = 0; i < M * nc; ++i) s[i] = ds[2 * i] + ds[2 * i + 1];
+    dispatch_q8(qtype, [&](auto q) {
+      constexpr int Q = decltype(q)::value;
+      if constexpr (gemm_supported<Q>()) {
+        q8_gemm<Q>(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), s, M, K, w.data_ptr<uint8_t>(), w.size(1), N,
+                   out.data_ptr<float>(), b);
+      }
+    });
+    return out;
+  }
   dispatch_q8(qtype, [&](auto q) {
     q8_linear<decltype(q)::value>(xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xds.data_ptr<float>(), M, K,
                                   w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b);
