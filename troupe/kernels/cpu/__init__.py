@@ -21,8 +21,16 @@ from collections.abc import Sequence
 
 import torch
 
-from troupe.kernels.base import (EmbeddingOp, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step,
-                                 zeros)
+from troupe.kernels.base import (
+    EmbeddingOp,
+    KVSpec,
+    LayerKV,
+    LinearOp,
+    ScheduledSeq,
+    StepBatch,
+    flatten_step,
+    zeros,
+)
 from troupe.kernels.cpu import fused
 from troupe.kernels.cpu import linear as qlinear
 from troupe.kernels.cpu.arena import WeightArena
