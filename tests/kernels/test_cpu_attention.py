@@ -107,6 +107,26 @@ def test_decode_batches_of_1_and_64(batch):
     check(seqs, 16, 9, 3, 64, torch.float16, seed=batch)
 
 
+# decode contexts around the kernel's key tiles (32 keys with AVX2, 64 with AVX-512) and long ones, so the
+# next tile's prefetch, the masked last tile and many tiles per item all run
+LONG_DECODES = [(c - 1, 1) for c in (31, 32, 33, 63, 64, 65, 127, 128, 129, 500, 1000, 2049)]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_long_decodes_match_reference(kv_dtype, block_size):
+    """Decodes at contexts just around multiples of the key tile up to 2049 positions, in one call, give
+    the reference's output for each pool dtype, on the in-place path (blocks of 16 / 32) and the copying
+    one (4)."""
+    check(LONG_DECODES, block_size, 9, 3, 64, kv_dtype, seed=block_size)
+
+
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_long_decodes_other_head_dims(head_dim):
+    """Long decodes with head dims of two P x V blocks (128) and a half-vector tail (72)."""
+    check(LONG_DECODES[6:], 16, 6, 2, head_dim, torch.float16, seed=head_dim)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("ctx", [33, 64, 65, 200])
 def test_split_k_matches_reference(monkeypatch, threads, ctx):

@@ -15,7 +15,10 @@ in turns within each round (medians of `--rounds`):
 
 The per-step plans (gather indices, row groups, the cpu work list) are built once and reused, so the
 figures are per-layer attention; the cpu plan's own cost per step is printed apart. Nothing here is a
-test: it prints figures and ratios against `eager-rows` / `eager-gather` measured in the same run.
+test: it prints figures and ratios against `eager-rows` / `eager-gather` measured in the same run, and
+the float16 kernel's effective bandwidth: the bytes of K and V the layer must read (every context
+position once) over its time, to set against the machine's streaming read bandwidth (the floor of a
+memory-bound decode).
 """
 
 from __future__ import annotations
@@ -137,7 +140,15 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     *[(f"decode B={b:<2} ctx={c:<4}", [(c - 1, 1)] * b) for b in (1, 16, 64) for c in (128, 256, 512, 1024)],
     ("prefill 512 new", [(0, 512)]),
     ("prefill 256 after 768", [(768, 256)]),
+    # a step of the offline workload's chunked prefill: 32 decodes plus 4 prompts' chunks, 1024 tokens
+    ("mixed 32 dec + 4x248 new", [(199, 1)] * 32 + [(0, 248)] * 4),
 ]
+
+
+def kv_bytes(seqs: list[tuple[int, int]], itemsize: int = 2) -> int:
+    """Bytes of K and V one layer's attention must read at least: every context position of every
+    sequence once (each kv head's key and value rows), at `itemsize` bytes an element."""
+    return sum(c + n for c, n in seqs) * KVH * D * 2 * itemsize
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"ISA {isa()}; H={H} KVH={KVH} D={D} block={BS}")
     names = ["eager-gather", "eager-rows", "cpu-f32", "cpu-f16"]
     print(f"{'case':<24}" + "".join(f"{n:>14}" for n in names) + f"{'f16 vs rows':>13}{'f16 vs gather':>15}"
-          f"{'plan/step':>11}")
+          f"{'plan/step':>11}{'f16 GB/s':>10}")
     with torch.inference_mode():
         for label, seqs in CASES:
             if args.only and args.only not in label:
@@ -177,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells = "".join(f"{med[n]:>14.1f}" if n in med else f"{'-':>14}" for n in names)
             vs_rows = f"{med['eager-rows'] / med['cpu-f16']:>12.2f}x" if "eager-rows" in med else f"{'-':>13}"
             print(f"{label:<24}{cells}{vs_rows}{med['eager-gather'] / med['cpu-f16']:>14.2f}x"
-                  f"{plan_cost(seqs):>11.1f}", flush=True)
+                  f"{plan_cost(seqs):>11.1f}{kv_bytes(seqs) / med['cpu-f16'] / 1e3:>10.1f}", flush=True)
     return 0
 
 

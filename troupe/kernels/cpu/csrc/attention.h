@@ -27,7 +27,7 @@ enum class DType : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 constexpr int kItemCols = 6;
 constexpr int64_t kDecode = 0;
 constexpr int64_t kPrefill = 1;
-constexpr int kDecodeTile = 32;  // keys per tile in a decode item
+constexpr int kDecodeTile = 32;  // split-K pieces start at a multiple of this (a multiple of the vector width)
 constexpr int kMaxHeadDim = 256;
 
 struct AttnArgs {

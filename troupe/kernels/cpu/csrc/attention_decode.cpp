@@ -1,15 +1,19 @@
 // Decode attention: one new token, all G query heads of one kv head, over a range of context positions
 // (attention.h has the item format and the pool layout).
 //
-// The range is walked in tiles of kDecodeTile keys; each tile's K and V are read once from the pool and
-// serve all G heads, converted to float32 in registers as they are loaded:
+// The range is walked in tiles of 4 key vectors (64 keys with AVX-512, 32 with AVX2); each tile's K and V
+// are read once from the pool and serve all G heads, converted to float32 in registers as they are loaded:
 // - scores: K is stored transposed per block, so for each dimension d one vector load brings W keys and
-//   G broadcast-FMAs (q[g][d] x those keys) accumulate G x (tile / W) score vectors in registers: no
-//   horizontal sums;
-// - an online-softmax update per head (running max m, running sum l, the output rescaled by
-//   exp(m_old - m_new));
+//   G broadcast-FMAs (q[g][d] x those keys) accumulate G x 4 score vectors in registers: no horizontal
+//   sums. The online-softmax update of each head (running max m, running sum l, the output rescaled by
+//   exp(m_old - m_new)) runs on those registers; only the probabilities go to memory, for P x V;
 // - P x V: for each key, its V row (a few vectors) is loaded once and FMA'd into a block of heads x a chunk
 //   of D of float32 output kept in registers.
+// When the block size is a multiple of W, a chunk of W keys lies in one block, whose K (D, BS) and V
+// (BS, D) are read in place; the next tile's lines are prefetched from inside these loops (one per key
+// vector and dimension, the lines of one V row per key), so the loads of the next tile overlap the
+// arithmetic of this one at an even rate instead of in a burst the fill buffers cannot hold. Other
+// block sizes copy each chunk's keys and V rows into buffers first.
 // A split-K piece leaves (m, l, unnormalised output) in scratch for `merge_pieces`.
 #include <algorithm>
 #include <cmath>
@@ -31,10 +35,14 @@ Buffers& thread_buffers() {
 
 namespace {
 
-constexpr int TK = kDecodeTile;
-constexpr int NC = TK / W;  // key vectors per tile
+#define TROUPE_INLINE inline __attribute__((always_inline))
+
+// Keys per tile: 4 vectors (64 keys with AVX-512, 32 with AVX2), a divisor of kDecodeTile's multiples.
+constexpr int NC = 4;
+constexpr int TK = NC * W;
+static_assert(kDecodeTile % W == 0, "split pieces must start on a vector of keys");
 #if defined(__AVX512F__)
-constexpr int kQKHeads = 8;  // heads per score block: kQKHeads x NC accumulators
+constexpr int kQKHeads = 4;  // heads per score block: kQKHeads x NC accumulators
 constexpr int kPVHeads = 4;  // heads x kPVVecs accumulators per P x V block
 #else
 constexpr int kQKHeads = 3;
@@ -42,9 +50,12 @@ constexpr int kPVHeads = 3;
 #endif
 constexpr int kPVVecs = 4;
 
-// s[g][0..TK) = q[g] . K[:, chunk c] for GB heads; k[c] is chunk c of the tile as (D, W) at stride ks.
+// Scores of GB heads over the tile (chunk c of W keys is k[c], (D, W) at stride ks; keys [n, TK) masked)
+// and the online-softmax update of each head in registers: s[g][0..TK) becomes exp(score - m_new), m and
+// l are updated and alpha[g] = exp(m_old - m_new) is the factor for the head's old output.
 template <int GB, typename KT>
-inline void qk_block(const float* q, int DP, const KT* const* k, int64_t ks, int D, float* s) {
+TROUPE_INLINE void qk_softmax(const float* q, int DP, const KT* const* k, int64_t ks, int D, int n, float* s,
+                              float* m, float* l, float* alpha, const KT* const* pf) {
   vf acc[GB][NC];
   for (int g = 0; g < GB; ++g) {
     for (int c = 0; c < NC; ++c) acc[g][c] = vzero();
@@ -52,51 +63,80 @@ inline void qk_block(const float* q, int DP, const KT* const* k, int64_t ks, int
   for (int d = 0; d < D; ++d) {
     vf kv[NC];
     for (int c = 0; c < NC; ++c) kv[c] = vload(k[c] + d * ks);
+    if (pf != nullptr) {
+      for (int c = 0; c < NC; ++c) _mm_prefetch(reinterpret_cast<const char*>(pf[c] + d * ks), _MM_HINT_T0);
+    }
     for (int g = 0; g < GB; ++g) {
       const vf qb = vset1(q[g * DP + d]);
       for (int c = 0; c < NC; ++c) acc[g][c] = vfma(qb, kv[c], acc[g][c]);
     }
   }
+  if (n < TK) {
+    for (int g = 0; g < GB; ++g) {
+      for (int c = 0; c < NC; ++c) acc[g][c] = vkeep_first(acc[g][c], n - c * W, kNegInf);
+    }
+  }
   for (int g = 0; g < GB; ++g) {
-    for (int c = 0; c < NC; ++c) vstore(s + g * TK + c * W, acc[g][c]);
+    vf mx = acc[g][0];
+    for (int c = 1; c < NC; ++c) mx = vmax(mx, acc[g][c]);
+    const float m_new = std::max(m[g], vhmax(mx));
+    alpha[g] = m[g] == kNegInf ? 0.0f : std::exp(m[g] - m_new);
+    const vf mv = vset1(m_new);
+    vf sum = vzero();
+    for (int c = 0; c < NC; ++c) {
+      const vf p = vexp(vsub(acc[g][c], mv));
+      vstore(s + g * TK + c * W, p);
+      sum = vadd(sum, p);
+    }
+    l[g] = l[g] * alpha[g] + vsum(sum);
+    m[g] = m_new;
   }
 }
 
 template <typename KT>
-inline void qk_tile(const float* q, int G, int DP, const KT* const* k, int64_t ks, int D, float* s) {
-  for (int g = 0; g < G; g += kQKHeads) {
+TROUPE_INLINE void qk_tile(const float* q, int G, int DP, const KT* const* k, int64_t ks, int D, int n, float* s,
+                           float* m, float* l, float* alpha, const KT* const* pf) {
+  for (int g = 0; g < G; g += kQKHeads, pf = nullptr) {
     const float* qg = q + g * DP;
     float* sg = s + g * TK;
     switch (std::min(kQKHeads, G - g)) {
 #if defined(__AVX512F__)
-      case 8: qk_block<8>(qg, DP, k, ks, D, sg); break;
-      case 7: qk_block<7>(qg, DP, k, ks, D, sg); break;
-      case 6: qk_block<6>(qg, DP, k, ks, D, sg); break;
-      case 5: qk_block<5>(qg, DP, k, ks, D, sg); break;
-      case 4: qk_block<4>(qg, DP, k, ks, D, sg); break;
+      case 4: qk_softmax<4>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
 #endif
-      case 3: qk_block<3>(qg, DP, k, ks, D, sg); break;
-      case 2: qk_block<2>(qg, DP, k, ks, D, sg); break;
-      default: qk_block<1>(qg, DP, k, ks, D, sg); break;
+      case 3: qk_softmax<3>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
+      case 2: qk_softmax<2>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
+      default: qk_softmax<1>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
     }
   }
 }
 
-// o[g][c0 : c0 + NV * W] = o * alpha[g] + sum_j p[g][j] v[j][c0 : ...] for GB heads, j < n.
+// o[g][c0 : c0 + NV * W] = o * alpha[g] + sum_j p[g][j] V[j][c0 : ...] for GB heads over the tile's n
+// keys; key j's V row is v[j / W] + (j % W) * D (each chunk's W rows consecutive).
 template <int GB, int NV, typename KT>
-inline void pv_block(float* o, int DP, const float* p, const float* alpha, const KT* const* vr, int n, int c0) {
+TROUPE_INLINE void pv_block(float* o, int DP, int D, const float* p, const float* alpha, const KT* const* v, int n,
+                            int c0, const KT* const* pf) {
+  const int row_bytes = D * int(sizeof(KT));
   vf acc[GB][NV];
   for (int g = 0; g < GB; ++g) {
     const vf al = vset1(alpha[g]);
     for (int i = 0; i < NV; ++i) acc[g][i] = vmul(vload(o + g * DP + c0 + i * W), al);
   }
-  for (int j = 0; j < n; ++j) {
-    vf pb[GB];
-    for (int g = 0; g < GB; ++g) pb[g] = vset1(p[g * TK + j]);
-    const KT* v = vr[j] + c0;
-    for (int i = 0; i < NV; ++i) {
-      const vf vv = vload(v + i * W);
-      for (int g = 0; g < GB; ++g) acc[g][i] = vfma(pb[g], vv, acc[g][i]);
+  for (int c = 0; c < NC; ++c) {
+    const int nj = std::min(W, n - c * W);
+    const KT* base = v[c] + c0;
+    const float* pc = p + c * W;
+    for (int j = 0; j < nj; ++j) {
+      vf pb[GB];
+      for (int g = 0; g < GB; ++g) pb[g] = vset1(pc[g * TK + j]);
+      const KT* row = base + j * D;
+      if (pf != nullptr) {
+        const char* nrow = reinterpret_cast<const char*>(pf[c] + j * D);
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(nrow + b, _MM_HINT_T0);
+      }
+      for (int i = 0; i < NV; ++i) {
+        const vf vv = vload(row + i * W);
+        for (int g = 0; g < GB; ++g) acc[g][i] = vfma(pb[g], vv, acc[g][i]);
+      }
     }
   }
   for (int g = 0; g < GB; ++g) {
@@ -105,72 +145,60 @@ inline void pv_block(float* o, int DP, const float* p, const float* alpha, const
 }
 
 template <int GB, typename KT>
-inline void pv_heads(float* o, int DP, int D, const float* p, const float* alpha, const KT* const* vr, int n) {
+TROUPE_INLINE void pv_heads(float* o, int DP, int D, const float* p, const float* alpha, const KT* const* v, int n,
+                            const KT* const* pf) {
   int c = 0, nv = D / W;
-  for (; nv >= kPVVecs; nv -= kPVVecs, c += kPVVecs * W) pv_block<GB, kPVVecs>(o, DP, p, alpha, vr, n, c);
+  for (; nv >= kPVVecs; nv -= kPVVecs, c += kPVVecs * W, pf = nullptr) {
+    pv_block<GB, kPVVecs>(o, DP, D, p, alpha, v, n, c, pf);
+  }
   switch (nv) {
-    case 3: pv_block<GB, 3>(o, DP, p, alpha, vr, n, c); break;
-    case 2: pv_block<GB, 2>(o, DP, p, alpha, vr, n, c); break;
-    case 1: pv_block<GB, 1>(o, DP, p, alpha, vr, n, c); break;
+    case 3: pv_block<GB, 3>(o, DP, D, p, alpha, v, n, c, pf); break;
+    case 2: pv_block<GB, 2>(o, DP, D, p, alpha, v, n, c, pf); break;
+    case 1: pv_block<GB, 1>(o, DP, D, p, alpha, v, n, c, pf); break;
     default: break;
   }
   c += nv * W;
   if (c < D) {  // D a multiple of 8 but not of W (16): the last 8 dims
     for (int g = 0; g < GB; ++g) {
       __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(o + g * DP + c), _mm256_set1_ps(alpha[g]));
-      for (int j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[g * TK + j]), load8(vr[j] + c), acc);
+      for (int j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[g * TK + j]);
+        acc = _mm256_fmadd_ps(pj, load8(v[j / W] + (j % W) * D + c), acc);
+      }
       _mm256_storeu_ps(o + g * DP + c, acc);
     }
   }
 }
 
 template <typename KT>
-inline void pv_tile(float* o, int G, int DP, int D, const float* p, const float* alpha, const KT* const* vr, int n) {
-  for (int g = 0; g < G; g += kPVHeads) {
+TROUPE_INLINE void pv_tile(float* o, int G, int DP, int D, const float* p, const float* alpha, const KT* const* v,
+                           int n, const KT* const* pf) {
+  for (int g = 0; g < G; g += kPVHeads, pf = nullptr) {
     float* og = o + g * DP;
     const float* pg = p + g * TK;
     const float* ag = alpha + g;
     switch (std::min(kPVHeads, G - g)) {
 #if defined(__AVX512F__)
-      case 4: pv_heads<4>(og, DP, D, pg, ag, vr, n); break;
+      case 4: pv_heads<4>(og, DP, D, pg, ag, v, n, pf); break;
 #endif
-      case 3: pv_heads<3>(og, DP, D, pg, ag, vr, n); break;
-      case 2: pv_heads<2>(og, DP, D, pg, ag, vr, n); break;
-      default: pv_heads<1>(og, DP, D, pg, ag, vr, n); break;
+      case 3: pv_heads<3>(og, DP, D, pg, ag, v, n, pf); break;
+      case 2: pv_heads<2>(og, DP, D, pg, ag, v, n, pf); break;
+      default: pv_heads<1>(og, DP, D, pg, ag, v, n, pf); break;
     }
   }
-}
-
-// Online-softmax update of one head over the tile's scores s[0..TK), of which [0, n) are real keys: s
-// becomes the probabilities exp(s - m_new), m and l are updated; returns the factor for the old output.
-inline float softmax_update(float* s, int n, float& m, float& l) {
-  for (int j = n; j < TK; ++j) s[j] = kNegInf;
-  vf mx = vset1(kNegInf);
-  for (int j = 0; j < TK; j += W) mx = vmax(mx, vload(s + j));
-  const float m_new = std::max(m, vhmax(mx));
-  const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
-  const vf mv = vset1(m_new);
-  vf sum = vzero();
-  for (int j = 0; j < TK; j += W) {
-    const vf p = vexp(vsub(vload(s + j), mv));
-    vstore(s + j, p);
-    sum = vadd(sum, p);
-  }
-  l = l * alpha + vsum(sum);
-  m = m_new;
-  return alpha;
 }
 
 template <typename QT, typename KT>
 void decode(const AttnArgs& a, int64_t seq, int64_t h, int64_t c0, int64_t c1, int64_t slot, Buffers& buf) {
   const int G = a.G, D = a.D, DP = a.DP, BS = a.BS;
-  float* const qs = buf.get(size_t(2 * G * DP + G * TK + 3 * G + NC * D * W));
+  float* const qs = buf.get(size_t(2 * G * DP + G * TK + 3 * G + 2 * NC * D * W));
   float* const acc = qs + G * DP;
   float* const s = acc + G * DP;
   float* const ms = s + G * TK;
   float* const ls = ms + G;
   float* const alphas = ls + G;
-  KT* const tmp = reinterpret_cast<KT*>(alphas + G);  // NC chunks of D x W keys for the copying path
+  KT* const ktmp = reinterpret_cast<KT*>(alphas + G);  // NC chunks of (D, W) keys for the copying path
+  KT* const vtmp = ktmp + NC * D * W;                   // NC chunks of (W, D) V rows for the copying path
 
   const int64_t t = a.query_start_loc[seq];
   for (int g = 0; g < G; ++g) {
@@ -186,25 +214,54 @@ void decode(const AttnArgs& a, int64_t seq, int64_t h, int64_t c0, int64_t c1, i
   const int64_t block_stride = int64_t(a.KVH) * BS * D, head_off = h * int64_t(BS) * D;
   const KT* kpool = static_cast<const KT*>(a.k_pool);
   const KT* vpool = static_cast<const KT*>(a.v_pool);
+  const bool direct = BS % W == 0;  // every chunk of W keys lies in one block: read the pool in place
+  const int64_t ks = direct ? BS : W;
+  // Chunk c of the tile at p0: its keys k[c] ((D, W) at stride ks) and V rows v[c] ((W, D)); chunks past
+  // the range reuse chunk 0 (their scores are masked, their V rows never read).
+  auto chunks = [&](int64_t p0, const KT** k, const KT** v) {
+    for (int c = 0; c < NC; ++c) {
+      const int64_t p = p0 + c * W;
+      if (p >= c1) {
+        k[c] = k[0];
+        v[c] = v[0];
+      } else if (direct) {
+        const int64_t base = table[p / BS] * block_stride + head_off, col = p % BS;
+        k[c] = kpool + base + col;
+        v[c] = vpool + base + col * D;
+      } else {
+        const int nk = int(std::min<int64_t>(W, c1 - p));
+        KT* kt = ktmp + c * D * W;
+        KT* vt = vtmp + c * W * D;
+        for (int j = 0; j < W; ++j) {
+          const int64_t off = j < nk ? table[(p + j) / BS] * block_stride + head_off : -1;
+          const int64_t col = (p + j) % BS;
+          for (int d = 0; d < D; ++d) kt[d * W + j] = off >= 0 ? kpool[off + d * int64_t(BS) + col] : KT(0);
+          if (off >= 0) std::memcpy(vt + j * D, vpool + off + col * D, sizeof(KT) * D);
+        }
+        k[c] = kt;
+        v[c] = vt;
+      }
+    }
+  };
   const KT* kc[NC];
-  const KT* vr[TK];
-  const int64_t ks = BS % W == 0 ? BS : W;  // key_chunk's stride: the pool's, or its copies'
+  const KT* vc[NC];
+  const KT* kn[NC];
+  const KT* vn[NC];
+  chunks(c0, kc, vc);
   for (int64_t p0 = c0; p0 < c1; p0 += TK) {
     const int n = int(std::min<int64_t>(TK, c1 - p0));
-    for (int c = 0; c < NC; ++c) {  // chunks past the range reuse chunk 0: their scores are masked anyway
-      const int64_t p = p0 + c * W;
-      int64_t stride = 0;
-      kc[c] = p >= c1 ? kc[0]
-                      : key_chunk(kpool, table, p, int(std::min<int64_t>(W, c1 - p)), BS, block_stride, head_off, D,
-                                  W, tmp + c * D * W, stride);
+    const bool next = direct && p0 + TK < c1;
+    // Reading the pool in place, the next tile's lines are requested while this one computes, spread
+    // over its loops (a line per key vector and dimension, the lines of a V row per key).
+    if (next) chunks(p0 + TK, kn, vn);
+    qk_tile(qs, G, DP, kc, ks, D, n, s, ms, ls, alphas, next ? kn : nullptr);
+    pv_tile(acc, G, DP, D, s, alphas, vc, n, next ? vn : nullptr);
+    if (next) {
+      std::copy(kn, kn + NC, kc);
+      std::copy(vn, vn + NC, vc);
+    } else if (p0 + TK < c1) {
+      chunks(p0 + TK, kc, vc);
     }
-    for (int j = 0; j < n; ++j) {
-      const int64_t p = p0 + j;
-      vr[j] = vpool + table[p / BS] * block_stride + head_off + (p % BS) * D;
-    }
-    qk_tile(qs, G, DP, kc, ks, D, s);
-    for (int g = 0; g < G; ++g) alphas[g] = softmax_update(s + g * TK, n, ms[g], ls[g]);
-    pv_tile(acc, G, DP, D, s, alphas, vr, n);
   }
 
   if (slot >= 0) {

@@ -4,9 +4,10 @@
 // The tile's R = tokens x G query rows (row r: token r / G, head r % G) are scaled into a float32 buffer.
 // The context [0, last token's position] is walked in KV tiles of kTK keys; each KV tile is packed once
 // (K as (D, kTK), already transposed in the pool, V as (kTK, D) rows, both float32) and serves all R rows:
-// S = Q K^T by broadcast-FMA microkernels (kRB rows x kTK keys in registers, no horizontal sums), the
-// causal mask, an online-softmax update per row, then O = O * alpha + P V by microkernels holding a
-// block of rows x a chunk of D in registers. KV tiles entirely after a row's position are never read
+// S = Q K^T by broadcast-FMA microkernels (kRB rows x kTK keys in registers, no horizontal sums), then
+// on those same registers the causal mask and each row's online-softmax update (only the probabilities
+// go to memory), then O = O * alpha + P V by microkernels holding a block of rows x a chunk of D in
+// registers. KV tiles entirely after a row's position are never read
 // for it; the first tile (position 0) is visible to every row, so no row's running max stays -inf.
 #include <algorithm>
 #include <cmath>
@@ -33,9 +34,20 @@ constexpr int kRO = 2;
 constexpr int kNV = 4;        // vectors of D per O microkernel
 constexpr int kRowsTarget = 64;  // query rows per item (tokens x G)
 
-// S[r][0..kTK) = Q[r] . Kt[:, 0..kTK) for RB rows (Kt is (D, kTK)).
+// The causal view of one KV tile: row r (token r / G of the item) sees the tile's first
+// min(nk, first + r / G) keys (first: what row 0 sees, <= 0 when none).
+struct TileView {
+  int nk, G;
+  int64_t first;
+  int visible(int r) const { return int(std::max<int64_t>(0, std::min<int64_t>(nk, first + r / G))); }
+};
+
+// For RB rows: S[r][0..kTK) = Q[r] . Kt[:, 0..kTK) (Kt is (D, kTK)), then each row's online-softmax update
+// on those registers (keys it cannot see masked): s[r] becomes the probabilities exp(S - m_new), m and l
+// are updated and alpha[r] is the factor for the row's old output (1 with no visible key: it adds zero).
 template <int RB>
-inline void s_block(const float* q, int DP, const float* kt, int D, float* s) {
+inline __attribute__((always_inline)) void s_block(const float* q, int DP, const float* kt, int D, float* s,
+                                                    float* m, float* l, float* alpha, const TileView& view, int r0) {
   vf acc[RB][kTKV];
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < kTKV; ++c) acc[r][c] = vzero();
@@ -49,21 +61,45 @@ inline void s_block(const float* q, int DP, const float* kt, int D, float* s) {
     }
   }
   for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < kTKV; ++c) vstore(s + r * kTK + c * W, acc[r][c]);
+    const int vis = view.visible(r0 + r);
+    float* sr = s + r * kTK;
+    if (vis <= 0) {
+      for (int c = 0; c < kTKV; ++c) vstore(sr + c * W, vzero());
+      alpha[r] = 1.0f;
+      continue;
+    }
+    vf mx = vset1(kNegInf);
+    for (int c = 0; c < kTKV; ++c) {
+      if (vis < kTK) acc[r][c] = vkeep_first(acc[r][c], vis - c * W, kNegInf);
+      mx = vmax(mx, acc[r][c]);
+    }
+    const float m_new = std::max(m[r], vhmax(mx));
+    alpha[r] = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+    const vf mv = vset1(m_new);
+    vf sum = vzero();
+    for (int c = 0; c < kTKV; ++c) {
+      const vf p = vexp(vsub(acc[r][c], mv));
+      vstore(sr + c * W, p);
+      sum = vadd(sum, p);
+    }
+    l[r] = l[r] * alpha[r] + vsum(sum);
+    m[r] = m_new;
   }
 }
 
-inline void s_rows(const float* q, int R, int DP, const float* kt, int D, float* s) {
+inline void s_rows(const float* q, int R, int DP, const float* kt, int D, float* s, float* m, float* l, float* alpha,
+                   const TileView& view) {
   int r = 0;
-  for (; r + kRB <= R; r += kRB) s_block<kRB>(q + r * DP, DP, kt, D, s + r * kTK);
+  for (; r + kRB <= R; r += kRB) s_block<kRB>(q + r * DP, DP, kt, D, s + r * kTK, m + r, l + r, alpha + r, view, r);
+  float* sr = s + r * kTK;
   switch (R - r) {
 #if defined(__AVX512F__)
-    case 5: s_block<5>(q + r * DP, DP, kt, D, s + r * kTK); break;
-    case 4: s_block<4>(q + r * DP, DP, kt, D, s + r * kTK); break;
-    case 3: s_block<3>(q + r * DP, DP, kt, D, s + r * kTK); break;
+    case 5: s_block<5>(q + r * DP, DP, kt, D, sr, m + r, l + r, alpha + r, view, r); break;
+    case 4: s_block<4>(q + r * DP, DP, kt, D, sr, m + r, l + r, alpha + r, view, r); break;
+    case 3: s_block<3>(q + r * DP, DP, kt, D, sr, m + r, l + r, alpha + r, view, r); break;
 #endif
-    case 2: s_block<2>(q + r * DP, DP, kt, D, s + r * kTK); break;
-    case 1: s_block<1>(q + r * DP, DP, kt, D, s + r * kTK); break;
+    case 2: s_block<2>(q + r * DP, DP, kt, D, sr, m + r, l + r, alpha + r, view, r); break;
+    case 1: s_block<1>(q + r * DP, DP, kt, D, sr, m + r, l + r, alpha + r, view, r); break;
     default: break;
   }
 }
@@ -105,31 +141,6 @@ inline void o_rows(float* o, int R, int DP, const float* p, const float* alpha, 
   int r = 0;
   for (; r + kRO <= R; r += kRO) o_rows_chunks<kRO>(o + r * DP, DP, p + r * kTK, alpha + r, v, nk);
   for (; r < R; ++r) o_rows_chunks<1>(o + r * DP, DP, p + r * kTK, alpha + r, v, nk);
-}
-
-// Online-softmax update of row r over the tile's scores sr[0..kTK), of which [0, vis) are visible:
-// sr becomes the probabilities; returns the factor for the row's old output.
-inline float softmax_row(float* sr, int vis, float& m, float& l) {
-  if (vis <= 0) {  // nothing of this tile is visible to the row: it adds zero and keeps its output
-    std::fill(sr, sr + kTK, 0.0f);
-    return 1.0f;
-  }
-  for (int j = vis; j < kTK; ++j) sr[j] = kNegInf;
-  vf sv[kTKV];
-  vf mx = vset1(kNegInf);
-  for (int c = 0; c < kTKV; ++c) mx = vmax(mx, sv[c] = vload(sr + c * W));
-  const float m_new = std::max(m, vhmax(mx));
-  const float alpha = m == kNegInf ? 0.0f : std::exp(m - m_new);
-  const vf mv = vset1(m_new);
-  vf sum = vzero();
-  for (int c = 0; c < kTKV; ++c) {
-    const vf p = vexp(vsub(sv[c], mv));
-    vstore(sr + c * W, p);
-    sum = vadd(sum, p);
-  }
-  l = l * alpha + vsum(sum);
-  m = m_new;
-  return alpha;
 }
 
 template <typename QT, typename KT>
@@ -185,12 +196,7 @@ void prefill(const AttnArgs& a, int64_t seq, int64_t h, int64_t i0, int64_t i1, 
       const int64_t p = p0 + j;
       convert_row(vpool + table[p / BS] * block_stride + head_off + (p % BS) * D, vt + j * DP, D);
     }
-    s_rows(qs, R, DP, kt, D, s);
-    for (int r = 0; r < R; ++r) {
-      const int64_t qpos = base + i0 + r / G;
-      const int vis = int(std::min<int64_t>(nk, qpos - p0 + 1));
-      alphas[r] = softmax_row(s + r * kTK, vis, ms[r], ls[r]);
-    }
+    s_rows(qs, R, DP, kt, D, s, ms, ls, alphas, TileView{nk, G, base + i0 - p0 + 1});
     o_rows(o, R, DP, s, alphas, vt, nk);
   }
 

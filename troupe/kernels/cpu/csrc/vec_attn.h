@@ -66,6 +66,11 @@ inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_IN
 inline vf vzero_below(vf v, vf x, float lo) {  // v where x >= lo, else 0
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(lo), _CMP_GE_OQ), v);
 }
+// v in lanes [0, k), `fill` in the others (any k: <= 0 fills all, >= W keeps all).
+inline vf vkeep_first(vf v, int k, float fill) {
+  const __mmask16 keep = k >= 16 ? __mmask16(0xffff) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
+  return _mm512_mask_mov_ps(vset1(fill), keep, v);
+}
 // The two 8-float halves of a vector added: what the 8-lane reductions below take.
 inline __m256 vfold8(vf v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -120,6 +125,10 @@ inline vf vpow2i(vf n) {
 inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vzero_below(vf v, vf x, float lo) { return _mm256_and_ps(v, _mm256_cmp_ps(x, vset1(lo), _CMP_GE_OQ)); }
 inline __m256 vfold8(vf v) { return v; }
+inline vf vkeep_first(vf v, int k, float fill) {
+  const vf lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_blendv_ps(vset1(fill), v, _mm256_cmp_ps(lane, vset1(float(k)), _CMP_LT_OQ));
+}
 #endif
 
 // exp(x) in float32 (Cephes' expf polynomial on x - n ln2, scaled by 2^n): about 2 ulp; exp(x) = 0 below
