@@ -137,8 +137,9 @@ def test_cpu_set_linear_and_embedding() -> None:
     assert isinstance(lin, QuantizedLinear)
     assert cases.rel_err(lin(x), want) < 1e-5
     assert cases.rel_err(lin(x.bfloat16()).float(), want) < 2e-2 and lin(x.bfloat16()).dtype == torch.bfloat16
-    # one row (a decode step) takes the rows kernel, a batch the tiled GEMM: both really quantized, and close
-    assert 1e-6 < cases.rel_err(q8.linear(w, b)(x[:1]), want[:1]) < 2e-2
+    # one row (a decode step) takes the float rows path (faster there): exact; a batch of 9 rows the tiled
+    # GEMM: really quantized, and close
+    assert torch.equal(q8.linear(w, b)(x[:1]), lin(x[:1]))
     assert 1e-6 < cases.rel_err(q8.linear(w, b)(torch.cat([x] * 3)), torch.cat([want] * 3)) < 2e-2
     dense = torch.randn(40, 64)
     assert cases.rel_err(exact.linear(dense.clone(), b)(x), x.double() @ dense.double().T + b.double()) < 1e-5

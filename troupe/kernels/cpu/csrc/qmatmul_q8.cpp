@@ -28,8 +28,10 @@ using namespace troupe_quant;
 constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
 #if defined(__AVX512F__)
 constexpr int64_t Q8_MAX_M = 2;  // the rows kernel up to this M (measured crossover)
+constexpr int64_t FLOAT_ROWS_MAX_M = 4;  // by M: the float rows path up to this M (faster, and exact)
 #else
 constexpr int64_t Q8_MAX_M = 4;
+constexpr int64_t FLOAT_ROWS_MAX_M = 3;
 #endif
 
 inline float hsum8(__m256 v) {
@@ -139,8 +141,10 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
 
 }  // namespace
 
-// The projection with 8-bit activations; `path` -1: by M (the tiled GEMM from gemm_min_m rows where the
-// format has one, else the rows kernel up to Q8_MAX_M rows, else the float path; float formats: the float path),
+// The projection with 8-bit activations; `path` -1: by M (up to FLOAT_ROWS_MAX_M rows the float rows path,
+// whose multi-row kernel (qmatmul_rows.h) streams the weights faster than either integer kernel at decode
+// sizes, measured in model order on both ISAs; then the tiled GEMM from gemm_min_m rows where the format
+// has one, else the rows kernel up to Q8_MAX_M rows, else the float path; float formats: the float path),
 // 0: the rows kernel whatever M, 1: the GEMM whatever M (a format without one: the rows kernel) (tests).
 at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                              int64_t path) {
@@ -151,6 +155,7 @@ at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t q
     gemm_from = gemm_min_m<decltype(q)::value>();
   });
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
+  if (path < 0 && M <= FLOAT_ROWS_MAX_M) return qmatmul_linear(x, w, qtype, bias, -1);
   if (path < 0) path = gemm && M >= gemm_from ? 1 : (M <= Q8_MAX_M ? 0 : -1);
   if (!integer || path < 0) return qmatmul_linear(x, w, qtype, bias, -1);
   at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
