@@ -88,3 +88,22 @@ def test_troupe_options_become_serve_flags() -> None:
                          "enforce_eager": True, "multiprocess": False, "seed": None}) == [
         "--no-prefix-caching", "--num-threads", "2", "--quantization", "gguf-q8", "--enforce-eager", "--in-process"]
     assert engine_flags({"enable_prefix_caching": True, "multiprocess": True}) == []
+
+
+def test_step_budget_defaults_to_each_entry_points_own() -> None:
+    """`troupe serve` runs 512-token steps and `generate` / `LLM` 1024 unless the flag says otherwise; the
+    bench passes no budget of its own unless `--max-num-batched-tokens` is given (then it reaches every
+    troupe configuration that does not set one itself)."""
+    from troupe import cli
+    from troupe.bench.engines import troupe_engines
+    from troupe.config import EngineConfig
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve"]).max_num_batched_tokens == cli.SERVE_STEP_TOKENS == 512
+    assert parser.parse_args(["serve", "--max-num-batched-tokens", "2048"]).max_num_batched_tokens == 2048
+    assert parser.parse_args(["generate", "hi"]).max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+    args = harness.parser().parse_args(["--troupe-configs", "a", "b:max_num_batched_tokens=64"])
+    assert [e.options.get("max_num_batched_tokens") for e in troupe_engines(args)] == [None, 64]
+    args = harness.parser().parse_args(["--troupe-configs", "a", "b:max_num_batched_tokens=64",
+                                        "--max-num-batched-tokens", "256"])
+    assert [e.options.get("max_num_batched_tokens") for e in troupe_engines(args)] == [256, 64]

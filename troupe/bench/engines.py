@@ -116,8 +116,9 @@ def troupe_engines(args: argparse.Namespace) -> list[BenchEngine]:
     for text in args.troupe_configs:
         name, overrides = parse_troupe_config(text)
         options = {"dtype": args.dtype, "num_threads": args.threads, "enable_prefix_caching": False,
-                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   **overrides}
+                   "max_num_seqs": args.max_num_seqs, **overrides}
+        if args.max_num_batched_tokens is not None:  # else troupe's own default (LLM and serve differ)
+            options.setdefault("max_num_batched_tokens", args.max_num_batched_tokens)
 
         def serve(port: int, options: dict[str, Any] = options) -> list[str]:
             return serving.troupe_serve_cmd(args.model, options, port)

@@ -85,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="every engine's dtype")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64, help="troupe's")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="troupe's")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="troupe's (default: troupe's own, 1024 for LLM and 512 for troupe serve)")
     p.add_argument("--vllm-kvcache-space", type=int, default=2, help="GiB ($VLLM_CPU_KVCACHE_SPACE wins)")
     p.add_argument("--worker-timeout", type=float, default=3600.0, help="s, one worker process")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="s, a server to /health ready")
