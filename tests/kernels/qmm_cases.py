@@ -50,6 +50,21 @@ def check_dequantize(qtype: QType) -> None:
     assert torch.equal(rows.view(torch.int32), ref[ids].view(torch.int32)), f"{qtype.name}: embedding differs"
 
 
+def build_isa() -> str:
+    from troupe.kernels.cpu.build import isa
+
+    return isa()
+
+
+def cpu_flags() -> set[str]:
+    """The running CPU's flags (/proc/cpuinfo), which `-march=native` builds for."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def check_linear(qtype: QType) -> None:
     """Every path (rows, panel, chosen by M) equals x @ W.T + b up to float32 summation order, for every M,
     with and without bias."""
@@ -65,6 +80,10 @@ def check_linear(qtype: QType) -> None:
                 assert got.shape == (m, N) and got.dtype == torch.float32
                 err = rel_err(got, want)
                 assert err < 1e-5, f"{qtype.name} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
+            if m == 7:  # by M: the rows path (two passes) on an AVX-512 build, the panel on AVX2
+                avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
+                forced = ops().linear(x, w.data, int(qtype), bias, 0 if avx512 else 1)
+                assert torch.equal(ops().linear(x, w.data, int(qtype), bias, -1), forced), f"{qtype.name}: M=7 by M"
 
 
 def check_rows_path(qtype: QType) -> None:

@@ -6,8 +6,9 @@
 // Paths, by the number of rows M (the choice in qmatmul_linear; docs/kernels.md has the figures). N is
 // split across threads in every one; each weight block is decoded once per call.
 // - rows (M <= 4, decode; qmatmul_rows.h): each block is decoded into registers and multiplied into all M
-//   rows at once, several weight rows in flight; the weights stream once, prefetched ahead.
-// - panel (M > 4): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all M
+//   rows at once, several weight rows in flight; the weights stream once, prefetched ahead. Up to
+//   ROWS_PATH_MAX_M rows (8 with AVX-512) it runs in passes of 4 rows.
+// - panel (larger M): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all M
 //   rows by it with a register-blocked dot-product kernel (measured level with oneDNN's packed float32
 //   GEMM on the same shapes, on both ISAs; a BLAS sgemm per tile was slower).
 //
@@ -173,7 +174,16 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
 
 }  // namespace
 
-constexpr int64_t ROWS_MAX_M = 4;  // the rows path up to this M (measured: docs/kernels.md)
+constexpr int64_t ROWS_MAX_M = 4;  // rows of x per pass of the rows path over the weights
+// By M, the rows path (in passes of ROWS_MAX_M rows) up to this M, the panel path above: the measured
+// crossover for the default model's projections in model order, 2 threads (docs/kernels.md). With AVX-512
+// two passes of 4 rows still stream the weights faster than a panel (M = 5 / 6 / 8: 0.91 / 0.91 / 0.77 of
+// the panel's time), with AVX2 not (1.00 / 1.18 / 0.92: the panel from 5 rows).
+#if defined(__AVX512F__)
+constexpr int64_t ROWS_PATH_MAX_M = 8;
+#else
+constexpr int64_t ROWS_PATH_MAX_M = 4;
+#endif
 
 at::Tensor qmatmul_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
@@ -209,7 +219,7 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
     b = bias->data_ptr<float>();
   }
   // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time)
-  if (path < 0) path = M <= ROWS_MAX_M ? 0 : 1;
+  if (path < 0) path = M <= ROWS_PATH_MAX_M ? 0 : 1;
   TORCH_CHECK(path >= 0 && path <= 2, "troupe_qmm: path must be -1 (by M), 0, 1 or 2, got ", path);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
