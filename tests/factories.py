@@ -1,5 +1,5 @@
 """Shared test factories: scheduler-side `Request`s, wire `AddRequest`s, the tiny
-engine's options, and the check that a graph holds no request state. Importable from every test
+engine's options, random block tables for attention tests, and the check that a graph holds no request state. Importable from every test
 folder (`pythonpath = ["tests"]`)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import itertools
 from typing import Any
 
 import anyio
+import torch
 
 from troupe.core.request import Request
 from troupe.messages import AddRequest
@@ -55,3 +56,19 @@ async def assert_idle(llm: Any) -> None:
             await anyio.sleep(0.01)
     assert graph.table.num_unfinished == 0
     assert not graph.table.processor.has_unfinished_requests()
+
+
+def random_block_tables(seqs: list[tuple[int, int]], block_size: int, g: torch.Generator
+                        ) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of (cached, new) tokens: each gets the blocks its context needs, drawn
+    from a random permutation of a pool with 3 spare blocks, so the tables are shuffled and non-contiguous
+    and a kernel that reads a wrong block reads another sequence's or a spare one. Returns (tables,
+    num_blocks)."""
+    need = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i : i + n])
+        i += n
+    return tables, num_blocks

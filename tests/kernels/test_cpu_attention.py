@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from factories import random_block_tables
 
 from troupe.kernels import reference
 from troupe.kernels.base import AttentionMetadata
@@ -42,13 +43,7 @@ def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_
     (unused blocks too, so a wrong read shows), the step's metadata with shuffled, non-contiguous blocks,
     and the same pools in the reference layout (NB, BS, KVH, D)."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i : i + n])
-        i += n
+    tables, num_blocks = random_block_tables(seqs, block_size, g)
     k_pool = torch.randn(num_blocks, num_kv_heads, head_dim, block_size, generator=g).to(kv_dtype)
     v_pool = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(kv_dtype)
     T = sum(n for _, n in seqs)

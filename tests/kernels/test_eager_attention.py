@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import random_block_tables
 
 from troupe.kernels import reference
 from troupe.kernels.eager import EagerKernels, attention
@@ -25,13 +26,7 @@ def make_batch(seqs, block_size, num_kv_heads, num_heads, head_dim, dtype, seed=
     garbage so a wrong gather shows.
     """
     g = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i : i + n])
-        i += n
+    tables, num_blocks = random_block_tables(seqs, block_size, g)
     pool = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(pool, generator=g).to(dtype)
     v_cache = torch.randn(pool, generator=g).to(dtype)
