@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 from collections.abc import Callable
 
 import torch
 
-HUGE_PAGE = 2 << 20
+from troupe.kernels.base import anonymous_bytes
+
 CHUNK_BYTES = 64 << 20  # address space per chunk (a larger weight gets a chunk of its own size)
 ALIGN = 64
 
@@ -46,7 +46,7 @@ class WeightArena:
         if n == 0 or self.holds(data):
             return
         if self._chunk is None or self._used + n > self._chunk.numel():
-            self._chunk = _huge_page_chunk(max(CHUNK_BYTES, n))
+            self._chunk = anonymous_bytes(max(CHUNK_BYTES, n), huge_pages=True)
             self._used = 0
             start = self._chunk.data_ptr()
             self._spans.append((start, start + self._chunk.numel()))
@@ -72,15 +72,3 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 
 
 _malloc_trim = _find_malloc_trim()
-
-
-def _huge_page_chunk(nbytes: int) -> torch.Tensor:
-    """(nbytes,) uint8 over private anonymous memory starting on a 2 MiB boundary, advised for THP where
-    the platform has the advice."""
-    mem = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        mem.madvise(advice)
-    whole = torch.frombuffer(mem, dtype=torch.uint8)  # keeps `mem` alive as long as a view of it lives
-    skip = -whole.data_ptr() % HUGE_PAGE
-    return whole[skip:skip + nbytes]
