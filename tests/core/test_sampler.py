@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.core.sampler import Sampler, SamplingRow
+from troupe.core.sampler import ARGMAX_CHUNK, Sampler, SamplingRow, row_argmax
 from troupe.sampling_params import SamplingParams
 
 
@@ -21,6 +21,35 @@ def test_greedy_is_argmax() -> None:
     """temperature=0 picks the argmax of every row."""
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
     assert Sampler().sample(logits.clone(), rows(8, temperature=0.0)).token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("width", [4 * ARGMAX_CHUNK, 5000, 8191, 49152, 49153])
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "all -inf", "max at both ends", "nan in the tail"])
+def test_row_argmax_matches_torch(width: int, kind: str) -> None:
+    """The chunked argmax of wide CPU rows returns torch's index for every row: the first maximum
+    (ties across and inside chunks), the first NaN, row 0 of an all -inf row, a tail past the last
+    whole chunk, in batches of 1 and 64 (greedy rows of the real default-model vocabulary: 49152)."""
+    g = torch.Generator().manual_seed(width)
+    for batch in (1, 64):
+        x = torch.randn(batch, width, generator=g)
+        if kind == "ties":
+            x = x.round()
+        elif kind == "nan":
+            x[:, 3::7] = float("nan")
+        elif kind == "all -inf":
+            x[:] = float("-inf")
+        elif kind == "max at both ends":
+            x[:, [0, width // 2, width - 1]] = 100.0
+        elif kind == "nan in the tail":
+            x[:, -3] = float("nan")
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1)), (batch, width, kind)
+
+
+def test_row_argmax_takes_torch_for_narrow_or_strided_rows() -> None:
+    """Rows narrower than four chunks and non-contiguous views go to torch's argmax (same result)."""
+    x = torch.randn(6, 4 * ARGMAX_CHUNK + 10, generator=torch.Generator().manual_seed(3))
+    for view in (x[:, :100], x[::2], x.t().contiguous().t()):
+        assert torch.equal(row_argmax(view), view.argmax(dim=-1))
 
 
 @pytest.mark.parametrize(

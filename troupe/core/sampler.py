@@ -95,7 +95,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         S, V = logits.shape
         if all(r.params.greedy and not r.suppressed and r.params.logprobs is None and _plain(r) for r in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * S)  # nothing to copy or send
+            return SamplerOutput(row_argmax(logits).tolist(), [None] * S)  # nothing to copy or send
         meta = SamplingMetadata.build(rows, V, self._generator, logits.device)
         want_processed = bool(meta.logprob_rows) and not self.logprobs_mode.startswith("raw")
         x = logits.float()  # (S, V); the same tensor when it already is float32
@@ -117,9 +117,9 @@ class Sampler:
         tokens = torch.empty(S, dtype=torch.int64, device=x.device)
         processed = None
         if len(meta.greedy_rows) == S:
-            tokens = x.argmax(dim=-1)
+            tokens = row_argmax(x)
         elif meta.greedy_rows:
-            tokens[meta.greedy_rows] = x[meta.greedy_rows].argmax(dim=-1)
+            tokens[meta.greedy_rows] = row_argmax(x[meta.greedy_rows])
         if meta.rand_rows:
             filtered = filter_logits(x[meta.rand_rows], meta)  # (R, V) a copy
             probs = filtered.softmax(dim=-1)  # (R, V)
@@ -163,6 +163,31 @@ class Sampler:
         rows = [SamplingRow(p, None) for p in params]
         meta = SamplingMetadata.build(rows, vocab, torch.Generator(), logits.device)
         return filter_logits(logits, meta).softmax(dim=-1)
+
+
+ARGMAX_CHUNK = 1024  # values per chunk of `row_argmax`'s first pass
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for (S, V) logits: the index of each row's first maximum (a NaN counting as the
+    maximum, as in torch). On the CPU, torch's argmax is a scalar loop (~3.7 ms for 64 rows of a
+    49k vocabulary on this machine's 2 threads) while `amax` is vectorized, so wide contiguous rows
+    take two passes: the max of each 1024-value chunk, then the argmax inside the first chunk holding
+    the row's max (~0.6 ms). Elsewhere, or for narrow rows: `argmax`."""
+    S, V = x.shape
+    if x.device.type != "cpu" or V < 4 * ARGMAX_CHUNK or not x.is_contiguous() or S == 0:
+        return x.argmax(dim=-1)
+    C, B = ARGMAX_CHUNK, V // ARGMAX_CHUNK
+    chunks = x[:, :B * C].view(S, B, C)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # (S,) first chunk holding the max (amax keeps NaN)
+    rows = torch.arange(S)
+    index = best * C + chunks[rows, best].argmax(dim=-1)  # (S,)
+    if B * C < V:  # the tail wins where it holds a larger value, or the first NaN of a NaN-free head
+        head, tail = x[rows, index], x[:, B * C:]
+        tail_max = tail.amax(dim=-1)
+        wins = (tail_max > head) | (tail_max.isnan() & ~head.isnan())
+        index = torch.where(wins, B * C + tail.argmax(dim=-1), index)
+    return index
 
 
 def _plain(row: SamplingRow) -> bool:
