@@ -107,3 +107,28 @@ def test_step_budget_defaults_to_each_entry_points_own() -> None:
     args = harness.parser().parse_args(["--troupe-configs", "a", "b:max_num_batched_tokens=64",
                                         "--max-num-batched-tokens", "256"])
     assert [e.options.get("max_num_batched_tokens") for e in troupe_engines(args)] == [256, 64]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two engines in their own processes; the AVX2 kernels may build first
+def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--isa avx2`: the troupe worker loads the AVX2 build of its kernels and ATen dispatches to AVX2 code
+    in both troupe's and transformers' workers (what their processes report), the settings record it,
+    and the harness's own environment is as before once the run is over."""
+    from troupe.bench.peers import AVX2_ENV
+
+    for key in AVX2_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
+    out = tmp_path / "bench.json"
+    code = harness.main(["--random-model", TINY, *SMALL, "--parts", "offline", "--isa", "avx2", "--json", str(out),
+                         "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
+                         "--troupe-configs", "troupe"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["isa"] == "avx2"
+    assert data["info"]["troupe"]["cpu_kernels_isa"] == "avx2"
+    assert data["info"]["troupe"]["aten_cpu_capability"] == "AVX2"
+    assert data["info"]["transformers"]["aten_cpu_capability"] == "AVX2"
+    assert data["medians"]["troupe"]["offline_tok_s"] > 0
+    assert not any(key in os.environ for key in AVX2_ENV)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from troupe.bench import engines as eng
-from troupe.bench.peers import WorkerError, run_worker
+from troupe.bench.peers import AVX2_ENV, WorkerError, run_worker
 from troupe.bench.report import Report
 from troupe.bench.serving import free_port, serve_once
 
@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count(), help="threads of every engine (default: the CPUs this process may use)")
     p.add_argument("--dtype", default="float32", help="every engine's dtype")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="avx2: every engine computes as on an AVX2/FMA CPU (troupe.bench.peers.AVX2_ENV; what a "
+                        "peer compiled itself keeps its own instruction set)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64, help="troupe's")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -173,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.troupe_configs = args.troupe_configs or eng.default_troupe_configs()
     workdir = Path(tempfile.mkdtemp(prefix="troupe-bench-"))
     failures, interrupted = 0, False
+    held = AVX2_ENV if args.isa == "avx2" else {}
+    saved = {k: os.environ.get(k) for k in held}
+    os.environ.update(held)  # every worker's and server's environment is built from this one
     try:
         if args.random_model:
             from troupe.bench.offline import random_model
@@ -200,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.settings["load_average_end"] = os.getloadavg()
         if args.json != "-":
             print(f"troupe bench: {args.model}, {args.num_prompts} prompts of {args.min_len}..{args.max_len} tokens "
-                  f"x {args.max_tokens}; dtype {args.dtype}, {args.threads} threads; medians of {args.repeats} "
+                  f"x {args.max_tokens}; dtype {args.dtype}, {args.threads} threads, ISA {args.isa}; medians of {args.repeats} "
                   f"round(s); load average {report.settings['load_average_start'][0]:.1f} -> "
                   f"{report.settings['load_average_end'][0]:.1f}\n")
             print(report.table())
@@ -215,6 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("troupe bench: interrupted", file=sys.stderr)
         interrupted = True
     finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if failures or interrupted or args.keep_logs:
             print(f"troupe bench: logs kept in {workdir}", file=sys.stderr)
         else:

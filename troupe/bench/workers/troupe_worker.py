@@ -25,8 +25,12 @@ class TroupeEngine:
 
     def info(self) -> dict[str, Any]:
         import msgspec
+        import torch
 
-        return {"engine": "troupe", "config": msgspec.to_builtins(self.llm.config)}
+        from troupe.kernels.cpu.build import isa
+
+        return {"engine": "troupe", "config": msgspec.to_builtins(self.llm.config), "cpu_kernels_isa": isa(),
+                "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
     def close(self) -> None:
         self.llm.close()
