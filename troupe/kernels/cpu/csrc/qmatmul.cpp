@@ -26,6 +26,7 @@
 // Dequantized values must be the reference's bit for bit: no multiply-add fused behind our back (the
 // FMAs of the dot products are explicit intrinsics, which this does not touch).
 #pragma GCC optimize("fp-contract=off")
+#include "panel_gemm.h"
 #include "qmatmul_rows.h"
 #include "quant.h"
 
@@ -218,9 +219,10 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "troupe_qmm: bias must be (N,) float32");
     b = bias->data_ptr<float>();
   }
-  // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time)
+  // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time),
+  // 3 the former panel path (dot products)
   if (path < 0) path = M <= ROWS_PATH_MAX_M ? 0 : 1;
-  TORCH_CHECK(path >= 0 && path <= 2, "troupe_qmm: path must be -1 (by M), 0, 1 or 2, got ", path);
+  TORCH_CHECK(path >= 0 && path <= 3, "troupe_qmm: path must be -1 (by M), 0, 1, 2 or 3, got ", path);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -235,6 +237,8 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
         if (path == 0) rows_path<Q>(xp + m0 * K, mb, K, wp, rb, N, o + m0 * N, b);
         else rows1_path<Q>(xp + m0 * K, mb, K, wp, rb, N, o + m0 * N, b);
       }
+    } else if (path == 1) {
+      gemm_panel_path<Q>(xp, M, K, wp, rb, N, o, b);
     } else {
       panel_path<Q>(xp, M, K, wp, rb, N, o, b);
     }
