@@ -110,16 +110,16 @@ void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* s
   using F = Fmt<Q>;
   constexpr int QK = F::QK;
   const int64_t nb = K / QK;
-  for (int g = 0; g < G_NV; ++g) {
-    const int rows = std::clamp(nr - g * W, 0, W);
-    if (rows < W) std::fill(stage + rows * QK, stage + W * QK, 0.0f);
-    for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int g = 0; g < G_NV; ++g) {  // both halves of each panel line while it is in L1
+      const int rows = std::clamp(nr - g * W, 0, W);
       for (int r = 0; r < rows; ++r) {
         float* o = stage + r * QK;
         F::decode(w + (g * W + r) * row_bytes + b * F::BYTES, [&](int c, const Vf* v) {
           for (int j = 0; j < NV; ++j) vstore(o + 32 * c + W * j, v[j]);
         });
       }
+      if (rows < W) std::fill(stage + rows * QK, stage + W * QK, 0.0f);
       float* d = dst + b * QK * G_NR + g * W;
       for (int k0 = 0; k0 < QK; k0 += W) {
         Vf t[W];
@@ -204,10 +204,19 @@ inline int64_t gemm_tile_panels(int64_t M, int64_t N, int64_t K) {
   return std::max<int64_t>(1, std::min(by_cache, by_threads));
 }
 
+inline int64_t tune_env(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  return v ? std::atoll(v) : dflt;
+}
+inline int64_t tune_order() { static int64_t v = tune_env("TQ_ORDER", 0); return v; }
+inline int64_t tune_kc() { static int64_t v = tune_env("TQ_KC", G_KC); return v; }
+inline int64_t tune_tp() { static int64_t v = tune_env("TQ_TP", 0); return v; }
+
 template <int Q>
 void gemm_panel_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
                      const float* bias) {
-  const int64_t tp = gemm_tile_panels(M, N, K);
+  const int64_t tp = tune_tp() ? tune_tp() : gemm_tile_panels(M, N, K);
+  const int64_t KC = tune_kc();
   const int64_t NT = tp * G_NR;
   const int64_t tiles = (N + NT - 1) / NT;
   // M in blocks of at most G_MR rows, as even as possible (13 rows: 7 + 6, not 12 + 1)
@@ -223,19 +232,37 @@ void gemm_panel_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int
         const int nr = static_cast<int>(std::min<int64_t>(G_NR, nt - p * G_NR));
         pack_panel<Q>(w + (n0 + p * G_NR) * row_bytes, row_bytes, K, nr, stage, packed + p * K * G_NR);
       }
-      int64_t m0 = 0;
-      for (int64_t mb = 0; mb < mblocks; ++mb) {
-        const int mr = static_cast<int>(mbase + (mb < mextra ? 1 : 0));
-        for (int64_t k0 = 0; k0 < K; k0 += G_KC) {
-          const int64_t kc = std::min<int64_t>(G_KC, K - k0);
+      if (tune_order() == 9) {
+      } else if (tune_order() == 0) {
+        int64_t m0 = 0;
+        for (int64_t mb = 0; mb < mblocks; ++mb) {
+          const int mr = static_cast<int>(mbase + (mb < mextra ? 1 : 0));
+          for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = std::min<int64_t>(KC, K - k0);
+            for (int64_t p = 0; p < np; ++p) {
+              const int nc = static_cast<int>(std::min<int64_t>(G_NR, nt - p * G_NR));
+              const int64_t n = n0 + p * G_NR;
+              gemm_micro_any<G_MR>(mr, x + m0 * K + k0, K, packed + p * K * G_NR + k0 * G_NR, kc, out + m0 * N + n, N,
+                                   nc, bias ? bias + n : nullptr, k0 == 0);
+            }
+          }
+          m0 += mr;
+        }
+      } else {
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+          const int64_t kc = std::min<int64_t>(KC, K - k0);
           for (int64_t p = 0; p < np; ++p) {
             const int nc = static_cast<int>(std::min<int64_t>(G_NR, nt - p * G_NR));
             const int64_t n = n0 + p * G_NR;
-            gemm_micro_any<G_MR>(mr, x + m0 * K + k0, K, packed + p * K * G_NR + k0 * G_NR, kc, out + m0 * N + n, N,
-                                 nc, bias ? bias + n : nullptr, k0 == 0);
+            int64_t m0 = 0;
+            for (int64_t mb = 0; mb < mblocks; ++mb) {
+              const int mr = static_cast<int>(mbase + (mb < mextra ? 1 : 0));
+              gemm_micro_any<G_MR>(mr, x + m0 * K + k0, K, packed + p * K * G_NR + k0 * G_NR, kc, out + m0 * N + n, N,
+                                   nc, bias ? bias + n : nullptr, k0 == 0);
+              m0 += mr;
+            }
           }
         }
-        m0 += mr;
       }
     }
   });
