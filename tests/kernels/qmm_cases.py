@@ -112,10 +112,10 @@ PANEL_SHAPES = [(1, 9), (17, 13), (33, 100), (1001, 9), (70, 999)]  # (N, M): N 
 
 def check_panel_path(qtype: QType) -> None:
     """The panel GEMM (path 1) and the former dot-product panel (path 3) on the outer-product kernel's
-    edges: M not a multiple of its row block (9, 13, 100, 999), N below, at and off its panel width and
-    tile (1, 17, 33, 70, 1001), K off its K slice (1664 = 4 slices of 384 + 128 for 32-value blocks, 1792
-    for K-quants), with and without bias, on 1 and 2 threads (a tile per thread, and tiles split between
-    them)."""
+    edges: M not a multiple of its row block (9, 13, 100, 999; both schedules, small and large M), N
+    below, at and off its panel widths and tiles (1, 17, 33, 70, 1001), K off its K slice (1664 = 576 +
+    576 + 512 for 32-value blocks, 1792 = 3 x 512 + 256 for K-quants), with and without bias, on 1 and 2
+    threads (a tile per thread, and tiles split between them)."""
     g = torch.Generator().manual_seed(11)
     k = 1792 if qtype.block_size == 256 else 1664
     threads = torch.get_num_threads()
