@@ -79,13 +79,11 @@ inline void transpose_w(Vf r[8]) {
 
 // ------------------------------------------------------------------------------- PanelT
 
-struct PanelT {
-#if defined(__AVX512F__)
-  static constexpr int MR = 12;
-#else
-  static constexpr int MR = 6;
-#endif
-  static constexpr int NR = G_NV * W;
+// NVP panel vectors per k (NR = NVP * W columns), MRP rows of x per register tile
+template <int NVP, int MRP>
+struct PanelTT {
+  static constexpr int MR = MRP;
+  static constexpr int NR = NVP * W;
   static constexpr int STAGE = W;  // rows of QK floats the packing stages
 
   // Decode weight rows [0, nr) (nr <= NR; row r at w + r * row_bytes) into one panel: dst[k * NR + j] =
@@ -96,7 +94,7 @@ struct PanelT {
     constexpr int QK = F::QK;
     const int64_t nb = K / QK;
     for (int64_t b = 0; b < nb; ++b) {
-      for (int g = 0; g < G_NV; ++g) {  // both halves of each panel line while it is in L1
+      for (int g = 0; g < NVP; ++g) {  // both halves of each panel line while it is in L1
         const int rows = std::clamp(nr - g * W, 0, W);
         for (int r = 0; r < rows; ++r) {
           float* o = stage + r * QK;
@@ -120,44 +118,44 @@ struct PanelT {
   template <int mr>
   static inline void micro(const float* x, int64_t ldx, const float* b, int64_t kc, float* c, int64_t ldc, int nc,
                              const float* bias, bool first) {
-    Vf acc[mr][G_NV];
+    Vf acc[mr][NVP];
     for (int m = 0; m < mr; ++m)
-      for (int v = 0; v < G_NV; ++v) acc[m][v] = vzero();
+      for (int v = 0; v < NVP; ++v) acc[m][v] = vzero();
     for (int64_t k = 0; k < kc; ++k) {
-      Vf bv[G_NV];
-      for (int v = 0; v < G_NV; ++v) bv[v] = vload(b + k * NR + v * W);
+      Vf bv[NVP];
+      for (int v = 0; v < NVP; ++v) bv[v] = vload(b + k * NR + v * W);
       for (int m = 0; m < mr; ++m) {
         const Vf a = vset1(x[m * ldx + k]);
-        for (int v = 0; v < G_NV; ++v) acc[m][v] = vfma(a, bv[v], acc[m][v]);
+        for (int v = 0; v < NVP; ++v) acc[m][v] = vfma(a, bv[v], acc[m][v]);
       }
     }
   #if defined(__AVX512F__)
-    __mmask16 mask[G_NV];
-    for (int v = 0; v < G_NV; ++v) {
+    __mmask16 mask[NVP];
+    for (int v = 0; v < NVP; ++v) {
       const int n = std::clamp(nc - v * W, 0, W);
       mask[v] = static_cast<__mmask16>((1u << n) - 1);
     }
-    Vf base[G_NV];
-    for (int v = 0; v < G_NV; ++v) base[v] = first && bias ? _mm512_maskz_loadu_ps(mask[v], bias + v * W) : vzero();
+    Vf base[NVP];
+    for (int v = 0; v < NVP; ++v) base[v] = first && bias ? _mm512_maskz_loadu_ps(mask[v], bias + v * W) : vzero();
     for (int m = 0; m < mr; ++m)
-      for (int v = 0; v < G_NV; ++v) {
+      for (int v = 0; v < NVP; ++v) {
         float* p = c + m * ldc + v * W;
         const Vf prev = first ? base[v] : _mm512_maskz_loadu_ps(mask[v], p);
         _mm512_mask_storeu_ps(p, mask[v], vadd(prev, acc[m][v]));
       }
   #else
     if (nc == NR) {
-      Vf base[G_NV];
-      for (int v = 0; v < G_NV; ++v) base[v] = first && bias ? vload(bias + v * W) : vzero();
+      Vf base[NVP];
+      for (int v = 0; v < NVP; ++v) base[v] = first && bias ? vload(bias + v * W) : vzero();
       for (int m = 0; m < mr; ++m)
-        for (int v = 0; v < G_NV; ++v) {
+        for (int v = 0; v < NVP; ++v) {
           float* p = c + m * ldc + v * W;
           vstore(p, vadd(first ? base[v] : vload(p), acc[m][v]));
         }
     } else {  // the tile's last, partial panel
       alignas(32) float t[NR];
       for (int m = 0; m < mr; ++m) {
-        for (int v = 0; v < G_NV; ++v) vstore(t + v * W, acc[m][v]);
+        for (int v = 0; v < NVP; ++v) vstore(t + v * W, acc[m][v]);
         float* p = c + m * ldc;
         for (int j = 0; j < nc; ++j) p[j] = (first ? (bias ? bias[j] : 0.0f) : p[j]) + t[j];
       }
@@ -165,6 +163,11 @@ struct PanelT {
   #endif
   }
 };
+#if defined(__AVX512F__)
+using PanelT = PanelTT<2, 12>;
+#else
+using PanelT = PanelTT<2, 6>;
+#endif
 
 #if defined(__AVX512F__)
 // ------------------------------------------------------------------------------- PanelL4 (AVX-512)

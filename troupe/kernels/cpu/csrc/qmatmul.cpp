@@ -8,9 +8,11 @@
 // - rows (M <= 4, decode; qmatmul_rows.h): each block is decoded into registers and multiplied into all M
 //   rows at once, several weight rows in flight; the weights stream once, prefetched ahead. Up to
 //   ROWS_PATH_MAX_M rows (8 with AVX-512) it runs in passes of 4 rows.
-// - panel (larger M): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all M
-//   rows by it with a register-blocked dot-product kernel (measured level with oneDNN's packed float32
-//   GEMM on the same shapes, on both ISAs; a BLAS sgemm per tile was slower).
+// - panel (larger M; panel_gemm.h, panel_pack.h): a thread decodes a tile of weight rows once into packed
+//   panels and multiplies rows of x by them with a BLIS-style outer-product micro-kernel (x broadcast,
+//   panel vectors streamed; AVX-512 12 x 32 or, for M <= 64, 12 x 8 on 4-k interleaved panels; AVX2
+//   6 x 16). The former panel kernel (dot products against a row-major scratch, below) stays callable as
+//   path 3, for tests and the benchmark.
 //
 // Also: dequantize (W -> float32), embedding (the looked-up rows only).
 #include <ATen/Parallel.h>
@@ -63,9 +65,9 @@ void decode_row(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
-// ------------------------------------------------------------------------------- panel path (moderate M)
+// ------------------------------------------------------------------------------- former panel path (path 3)
 //
-// A thread decodes a tile of NT weight rows into a 64-byte aligned float32 scratch (NT x K), then computes
+// Kept for comparison (python -m troupe.bench.kernels --former-panel). A thread decodes a tile of NT weight rows into a 64-byte aligned float32 scratch (NT x K), then computes
 // every out[m][n] of the tile as a dot product along K with an MR x NR register tile (MR rows of x against
 // NR decoded rows: MR + NR vector loads feed MR * NR FMAs), reducing NR accumulators at once into one
 // 4-float store.
