@@ -80,9 +80,9 @@ def check_linear(qtype: QType) -> None:
                 assert got.shape == (m, N) and got.dtype == torch.float32
                 err = rel_err(got, want)
                 assert err < 1e-5, f"{qtype.name} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
-            if m == 7:  # by M: the rows path (two passes) on an AVX-512 build, the panel on AVX2
+            if m == 7:  # by M: the rows path (two passes) on an AVX-512 build, the former panel on AVX2
                 avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
-                forced = ops().linear(x, w.data, int(qtype), bias, 0 if avx512 else 1)
+                forced = ops().linear(x, w.data, int(qtype), bias, 0 if avx512 else 3)
                 assert torch.equal(ops().linear(x, w.data, int(qtype), bias, -1), forced), f"{qtype.name}: M=7 by M"
 
 
@@ -115,7 +115,7 @@ def check_panel_path(qtype: QType) -> None:
     edges: M not a multiple of its row block (9, 13, 100, 999; both schedules, small and large M), N
     below, at and off its panel widths and tiles (1, 17, 33, 70, 1001), K off its K slice (1664 = 576 +
     576 + 512 for 32-value blocks, 1792 = 3 x 512 + 256 for K-quants), with and without bias, on 1 and 2
-    threads (a tile per thread, and tiles split between them)."""
+    threads (a tile per thread, and tiles split between them); and the by-M choice between the two."""
     g = torch.Generator().manual_seed(11)
     k = 1792 if qtype.block_size == 256 else 1664
     threads = torch.get_num_threads()
@@ -130,12 +130,18 @@ def check_panel_path(qtype: QType) -> None:
                 want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
                 for t in (1, 2):
                     torch.set_num_threads(t)
+                    outs = {}
                     for path in (1, 3):
-                        got = ops().linear(x, w.data, int(qtype), bias, path)
+                        got = outs[path] = ops().linear(x, w.data, int(qtype), bias, path)
                         assert got.shape == (m, n)
                         err = rel_err(got, want)
                         assert err < 1e-5, (f"{qtype.name} N={n} M={m} K={k} bias={bias is not None} threads={t} "
                                             f"path={path}: rel err {err:.1e}")
+                    # by M: the GEMM, except on an AVX2 build up to 64 rows (the former kernel, faster there)
+                    avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
+                    chosen = 1 if avx512 or m > 64 else 3
+                    assert torch.equal(ops().linear(x, w.data, int(qtype), bias, -1), outs[chosen]), (
+                        f"{qtype.name} N={n} M={m}: by M is not path {chosen}")
     finally:
         torch.set_num_threads(threads)
 

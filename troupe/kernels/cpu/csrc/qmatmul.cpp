@@ -187,6 +187,15 @@ constexpr int64_t ROWS_PATH_MAX_M = 8;
 #else
 constexpr int64_t ROWS_PATH_MAX_M = 4;
 #endif
+// Up to this M the by-M choice takes the former panel kernel (path 3) over the panel GEMM. AVX-512: never
+// (the GEMM's 4-k packing is cheap enough from 9 rows). AVX2: its 8 x 8 transposes make packing the larger
+// cost up to ~64 rows, where the former kernel's row-major decode wins (measured in the same runs,
+// docs/kernels.md: 0.80-0.85 of its speed at M = 16..32, level at 64, ahead from 256).
+#if defined(__AVX512F__)
+constexpr int64_t FORMER_PANEL_MAX_M = 0;
+#else
+constexpr int64_t FORMER_PANEL_MAX_M = 64;
+#endif
 
 at::Tensor qmatmul_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
@@ -223,7 +232,7 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
   }
   // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time),
   // 3 the former panel path (dot products)
-  if (path < 0) path = M <= ROWS_PATH_MAX_M ? 0 : 1;
+  if (path < 0) path = M <= ROWS_PATH_MAX_M ? 0 : M <= FORMER_PANEL_MAX_M ? 3 : 1;
   TORCH_CHECK(path >= 0 && path <= 3, "troupe_qmm: path must be -1 (by M), 0, 1, 2 or 3, got ", path);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
