@@ -67,30 +67,40 @@ struct RowBlocks {
   int size(int64_t i) const { return static_cast<int>(base + (i < extra ? 1 : 0)); }
 };
 
-// Weight rows per tile for the large-M schedule: as many panels as fit ~512 KiB, but at least two tiles
-// per thread.
+// Tiles of whole panels, each thread's share equal to a panel: `count` tiles (a multiple of the thread
+// count, at least two per thread), tile t = panels [t * panels / count, (t + 1) * panels / count).
+struct Tiles {
+  int64_t panels, count, max_panels;
+  int64_t begin(int64_t t) const { return t * panels / count; }
+  // per_tile: the panels a tile should hold at most (its cache budget)
+  static Tiles of(int64_t panels, int64_t per_tile) {
+    const int64_t threads = std::max(1, at::get_num_threads());
+    int64_t count = std::max<int64_t>(2 * threads, (panels + per_tile - 1) / per_tile);
+    count = std::min(std::max<int64_t>(1, panels), (count + threads - 1) / threads * threads);
+    return {panels, count, (panels + count - 1) / count};
+  }
+};
+
+// Panels per tile: the fused schedule 32 weight rows; the large-M one as many as fit ~512 KiB.
 template <class L>
-int64_t tile_rows_large(int64_t N, int64_t K) {
-  const int64_t panels = (N + L::NR - 1) / L::NR;
-  const int64_t by_cache = std::max<int64_t>(1, (int64_t{1} << 19) / (4 * K * L::NR));
-  const int64_t threads = at::get_num_threads();
-  const int64_t by_threads = (panels + 2 * threads - 1) / (2 * threads);
-  return std::max<int64_t>(1, std::min(by_cache, by_threads)) * L::NR;
+int64_t tile_panels(bool fused, int64_t K) {
+  if (fused) return std::max(1, 32 / L::NR);
+  return std::max<int64_t>(1, (int64_t{1} << 19) / (4 * K * L::NR));
 }
 
-// A thread's share: tiles [t0, t1) of NT rows; `fused`: pack each panel's K slice just before using it.
+// A thread's share: tiles [t0, t1); `fused`: pack each panel's K slice just before using it.
 template <class L, int Q>
 void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
-                 const float* bias, int64_t NT, bool fused, int64_t t0, int64_t t1) {
+                 const float* bias, const Tiles& tiles, bool fused, int64_t t0, int64_t t1) {
   using F = Fmt<Q>;
   const RowBlocks rb = RowBlocks::of<L::MR>(M);
   const int64_t KC = std::max<int64_t>(F::QK, PANEL_KC / F::QK * F::QK);
   // the panels (a tile, or one K slice), then the stage 1 KiB further (off the panels' 4 KiB alignment)
-  const int64_t panel_floats = fused ? KC * L::NR : NT * K;
+  const int64_t panel_floats = fused ? KC * L::NR : tiles.max_panels * L::NR * K;
   float* packed = thread_buffer(static_cast<size_t>(panel_floats + 256 + L::STAGE * F::QK));
   float* stage = packed + panel_floats + 256;
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t n0 = t * NT, nt = std::min<int64_t>(NT, N - n0);
+    const int64_t n0 = tiles.begin(t) * L::NR, nt = std::min<int64_t>(tiles.begin(t + 1) * L::NR, N) - n0;
     const int64_t np = (nt + L::NR - 1) / L::NR;
     if (fused) {
       for (int64_t p = 0; p < np; ++p) {
@@ -127,10 +137,9 @@ void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
 template <class L, int Q>
 void panel_run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
                const float* bias, bool fused) {
-  const int64_t NT = fused ? std::max(L::NR, 32) : tile_rows_large<L>(N, K);
-  const int64_t tiles = (N + NT - 1) / NT;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    panel_tiles<L, Q>(x, M, K, w, row_bytes, N, out, bias, NT, fused, t0, t1);
+  const Tiles tiles = Tiles::of((N + L::NR - 1) / L::NR, tile_panels<L>(fused, K));
+  at::parallel_for(0, tiles.count, 1, [&](int64_t t0, int64_t t1) {
+    panel_tiles<L, Q>(x, M, K, w, row_bytes, N, out, bias, tiles, fused, t0, t1);
   });
 }
 

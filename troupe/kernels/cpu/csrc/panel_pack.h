@@ -129,7 +129,7 @@ struct PanelTT {
         for (int v = 0; v < NVP; ++v) acc[m][v] = vfma(a, bv[v], acc[m][v]);
       }
     }
-  #if defined(__AVX512F__)
+#if defined(__AVX512F__)
     __mmask16 mask[NVP];
     for (int v = 0; v < NVP; ++v) {
       const int n = std::clamp(nc - v * W, 0, W);
@@ -143,7 +143,7 @@ struct PanelTT {
         const Vf prev = first ? base[v] : _mm512_maskz_loadu_ps(mask[v], p);
         _mm512_mask_storeu_ps(p, mask[v], vadd(prev, acc[m][v]));
       }
-  #else
+#else
     if (nc == NR) {
       Vf base[NVP];
       for (int v = 0; v < NVP; ++v) base[v] = first && bias ? vload(bias + v * W) : vzero();
@@ -160,7 +160,7 @@ struct PanelTT {
         for (int j = 0; j < nc; ++j) p[j] = (first ? (bias ? bias[j] : 0.0f) : p[j]) + t[j];
       }
     }
-  #endif
+#endif
   }
 };
 #if defined(__AVX512F__)
@@ -203,9 +203,10 @@ struct PanelL4 {
         }
         float* d = dst + b * QK * NR + 4 * r0;
         for (int k = 0; k < QK; k += 8) {
-          const Vf u = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(stage + k)), _mm256_loadu_ps(stage + QK + k), 1);
+          const Vf u = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(stage + k)),
+                                          _mm256_loadu_ps(stage + QK + k), 1);  // rows 0 | 1, 8 k each
           const Vf v = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(stage + 2 * QK + k)),
-                                          _mm256_loadu_ps(stage + 3 * QK + k), 1);
+                                          _mm256_loadu_ps(stage + 3 * QK + k), 1);  // rows 2 | 3
           vstore(d + k * NR, _mm512_shuffle_f32x4(u, v, 0x88));          // k .. k + 4 of rows r0 .. r0 + 4
           vstore(d + (k + 4) * NR, _mm512_shuffle_f32x4(u, v, 0xDD));    // k + 4 .. k + 8
         }
@@ -214,7 +215,7 @@ struct PanelL4 {
   }
 
   // c[m * ldc + j] (m < mr, j < nc) = (first ? bias[j] : c[...]) + sum_k x[m * ldx + k] * W[j][k], the panel
-  // as pack_panel lays it out, kc a multiple of 4. Per k step: x[m][k .. k + 4) broadcast to the four 128-bit
+  // as `pack` lays it out, kc a multiple of 4. Per k step: x[m][k .. k + 4) broadcast to the four 128-bit
   // lanes, times the two panel vectors (rows 0..3, 4..7, 4 k each): each lane accumulates one (row, k mod 4)
   // partial sum, reduced at the end (two rows of x per vector permute).
   template <int mr>
@@ -233,12 +234,14 @@ struct PanelL4 {
     }
     const __mmask16 lo = static_cast<__mmask16>((1u << nc) - 1), hi = static_cast<__mmask16>(lo << 8);
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    // bias - 8 and c1 below address lanes 8..15 only: the masked-off lanes 0..7 are never accessed
     Vf base = vzero();
     if (first && bias) base = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(lo, bias), hi, bias - 8);
     for (int m = 0; m < mr; m += 2) {
       const bool two = m + 1 < mr;
       const Vf a0 = acc[m][0], b0 = acc[m][1];
-      const Vf a1 = two ? acc[two ? m + 1 : m][0] : vzero(), b1 = two ? acc[two ? m + 1 : m][1] : vzero();
+      const int m1 = two ? m + 1 : m;  // (an index in range for odd mr; its values are not used then)
+      const Vf a1 = two ? acc[m1][0] : vzero(), b1 = two ? acc[m1][1] : vzero();
       // lane 4i + (0, 1, 2, 3) of t0: (a0, b0, a0, b0) partial sums of row i (and 4 + i), two k each
       const Vf t0 = vadd(_mm512_unpacklo_ps(a0, b0), _mm512_unpackhi_ps(a0, b0));
       const Vf t1 = vadd(_mm512_unpacklo_ps(a1, b1), _mm512_unpackhi_ps(a1, b1));

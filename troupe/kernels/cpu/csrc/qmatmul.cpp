@@ -67,10 +67,11 @@ void decode_row(const uint8_t* row, int64_t K, float* out) {
 
 // ------------------------------------------------------------------------------- former panel path (path 3)
 //
-// Kept for comparison (python -m troupe.bench.kernels --former-panel). A thread decodes a tile of NT weight rows into a 64-byte aligned float32 scratch (NT x K), then computes
-// every out[m][n] of the tile as a dot product along K with an MR x NR register tile (MR rows of x against
-// NR decoded rows: MR + NR vector loads feed MR * NR FMAs), reducing NR accumulators at once into one
-// 4-float store.
+// Kept for comparison (python -m troupe.bench.kernels --former-panel), and taken by M on AVX2 builds up to
+// FORMER_PANEL_MAX_M rows. A thread decodes a tile of NT weight rows into a 64-byte aligned float32
+// scratch (NT x K), then computes every out[m][n] of the tile as a dot product along K with an MR x NR
+// register tile (MR rows of x against NR decoded rows: MR + NR vector loads feed MR * NR FMAs), reducing
+// NR accumulators at once into one 4-float store.
 
 #if defined(__AVX512F__)
 constexpr int MR = 6;
