@@ -26,7 +26,7 @@ namespace troupe_quant {
 
 constexpr int64_t PANEL_KC = 576;  // k per slice: the default model's K = 576 whole, 1536 in three
 #if defined(__AVX512F__)
-constexpr int64_t L4_MAX_M = 64;  // measured: PanelL4 ahead up to here, PanelT ahead from ~128 rows
+constexpr int64_t L4_MAX_M = 64;  // measured: PanelL4 ahead up to here, level at 96, PanelT ahead from 128
 #endif
 
 // A 64-byte aligned float buffer that lives as long as its thread and only grows (no allocation and no

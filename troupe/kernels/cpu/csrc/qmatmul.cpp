@@ -191,7 +191,7 @@ constexpr int64_t ROWS_PATH_MAX_M = 4;
 // Up to this M the by-M choice takes the former panel kernel (path 3) over the panel GEMM. AVX-512: never
 // (the GEMM's 4-k packing is cheap enough from 9 rows). AVX2: its 8 x 8 transposes make packing the larger
 // cost up to ~64 rows, where the former kernel's row-major decode wins (measured in the same runs,
-// docs/kernels.md: 0.80-0.85 of its speed at M = 16..32, level at 64, ahead from 256).
+// docs/kernels.md: the GEMM at 0.77-0.93 of its speed at M = 16..32, level at 64, ahead from 256).
 #if defined(__AVX512F__)
 constexpr int64_t FORMER_PANEL_MAX_M = 0;
 #else
