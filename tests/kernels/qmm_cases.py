@@ -66,7 +66,7 @@ def cpu_flags() -> set[str]:
 
 
 def check_linear(qtype: QType) -> None:
-    """Every path (rows, panel, chosen by M) equals x @ W.T + b up to float32 summation order, for every M,
+    """Every path (rows, panel, the former panel, chosen by M) equals x @ W.T + b up to float32 summation order, for every M,
     with and without bias."""
     w = weight(qtype)
     ref = w.dequantize().double()
@@ -75,14 +75,14 @@ def check_linear(qtype: QType) -> None:
         x = torch.randn(m, w.shape[1], generator=g)
         for bias in (None, torch.randn(N, generator=g)):
             want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
-            for path in (-1, 0, 1):
+            for path in (-1, 0, 1, 3):
                 got = ops().linear(x, w.data, int(qtype), bias, path)
                 assert got.shape == (m, N) and got.dtype == torch.float32
                 err = rel_err(got, want)
                 assert err < 1e-5, f"{qtype.name} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
-            if m == 7:  # by M: the rows path (two passes) on an AVX-512 build, the panel on AVX2
+            if m == 7:  # by M: the rows path (two passes) on an AVX-512 build, the former panel on AVX2
                 avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
-                forced = ops().linear(x, w.data, int(qtype), bias, 0 if avx512 else 1)
+                forced = ops().linear(x, w.data, int(qtype), bias, 0 if avx512 else 3)
                 assert torch.equal(ops().linear(x, w.data, int(qtype), bias, -1), forced), f"{qtype.name}: M=7 by M"
 
 
@@ -105,6 +105,45 @@ def check_rows_path(qtype: QType) -> None:
                     assert got.shape == (m, n)
                     err = rel_err(got, want)
                     assert err < 1e-5, f"{qtype.name} N={n} M={m} bias={bias is not None} path={path}: rel err {err:.1e}"
+
+
+PANEL_SHAPES = [(1, 9), (17, 13), (33, 100), (1001, 9), (70, 999)]  # (N, M): N off the panel width and tile
+
+
+def check_panel_path(qtype: QType) -> None:
+    """The panel GEMM (path 1) and the former dot-product panel (path 3) on the outer-product kernel's
+    edges: M not a multiple of its row block (9, 13, 100, 999; both schedules, small and large M), N
+    below, at and off its panel widths and tiles (1, 17, 33, 70, 1001), K off its K slice (1664 = 576 +
+    576 + 512 for 32-value blocks, 1792 = 3 x 512 + 256 for K-quants), with and without bias, on 1 and 2
+    threads (a tile per thread, and tiles split between them); and the by-M choice between the two."""
+    g = torch.Generator().manual_seed(11)
+    k = 1792 if qtype.block_size == 256 else 1664
+    threads = torch.get_num_threads()
+    try:
+        for n, m in PANEL_SHAPES:
+            w = random_quantized(qtype, n, k, torch.Generator().manual_seed(n))
+            if isinstance(w, torch.Tensor):
+                w = QuantizedTensor(QType.F32, w.contiguous().view(torch.uint8).reshape(n, -1), (n, k))
+            ref = w.dequantize().double()
+            x = torch.randn(m, k, generator=g)
+            for bias in (None, torch.randn(n, generator=g)):
+                want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    outs = {}
+                    for path in (1, 3):
+                        got = outs[path] = ops().linear(x, w.data, int(qtype), bias, path)
+                        assert got.shape == (m, n)
+                        err = rel_err(got, want)
+                        assert err < 1e-5, (f"{qtype.name} N={n} M={m} K={k} bias={bias is not None} threads={t} "
+                                            f"path={path}: rel err {err:.1e}")
+                    # by M: the GEMM, except on an AVX2 build up to 64 rows (the former kernel, faster there)
+                    avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
+                    chosen = 1 if avx512 or m > 64 else 3
+                    assert torch.equal(ops().linear(x, w.data, int(qtype), bias, -1), outs[chosen]), (
+                        f"{qtype.name} N={n} M={m}: by M is not path {chosen}")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reference_q8(x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +228,7 @@ def check_bad_arguments() -> None:
         (lambda: ops().linear(x, w.data, 99, None, -1), "unknown weight format"),
         (lambda: ops().linear(torch.randn(2, 96), w.data, int(QType.Q4_1), None, -1), "bytes"),
         (lambda: ops().linear(x, w.data, int(QType.Q4_1), torch.randn(5), -1), "bias"),
-        (lambda: ops().linear(x, w.data, int(QType.Q4_1), None, 3), "path"),
+        (lambda: ops().linear(x, w.data, int(QType.Q4_1), None, 4), "path"),
         (lambda: ops().embedding(w.data, int(QType.Q4_1), w.shape[1], torch.tensor([N])), "out of range"),
     ):
         try:
@@ -206,6 +245,7 @@ def main() -> None:
         check_dequantize(qtype)
         check_linear(qtype)
         check_rows_path(qtype)
+        check_panel_path(qtype)
     for qtype in INTEGER_FORMATS:
         check_q8(qtype)
     check_quantize_q8()

@@ -91,6 +91,15 @@ def test_kernels_rows_path_every_small_shape(qtype: QType) -> None:
 
 
 @needs_build
+@pytest.mark.parametrize("qtype", cases.FORMATS, ids=lambda q: q.name)
+def test_kernels_panel_path_edges(qtype: QType) -> None:
+    """The panel GEMM (and the former panel kernel) match float64 math where the outer-product kernel has
+    edges: M off its row block (9, 13, 100, 999), N off its panel width and tile (1, 17, 33, 70, 1001), K
+    off its K slice, bias on and off, on 1 and 2 threads; by M the GEMM is taken (AVX2 builds: from 65 rows)."""
+    cases.check_panel_path(qtype)
+
+
+@needs_build
 @pytest.mark.parametrize("qtype", cases.INTEGER_FORMATS, ids=lambda q: q.name)
 def test_kernels_q8_activations(qtype: QType) -> None:
     """8-bit activations on the rows kernel and the tiled GEMM: exact integer arithmetic on the rounded

@@ -7,7 +7,8 @@ projection of the same (dequantized) weight, alternating the candidates round by
 the same machine load, and prints medians: microseconds per call, weight bytes streamed per second
 (GB/s: the block bytes, or the float32 bytes for eager), GFLOP/s (2 M N K per call) and the speed-up over
 eager. K-quants need K to be a multiple of 256: on the 576-wide shapes they run with K = 512 (and their
-own eager baseline). The head is skipped above 64 rows (it only runs on the rows that sample a token).
+own eager baseline). `--former-panel` adds the former dot-product panel kernel (path 3) as a candidate,
+so the panel GEMM and its predecessor compare in the same run. The head is skipped above 64 rows (it only runs on the rows that sample a token).
 
 `--model-order` times what one decode step does instead: the default model's (or `--model`'s) real
 projections, loaded by the cpu set, called back to back in model order (per layer qkv, o, gate_up, down,
@@ -63,7 +64,8 @@ def _time(fn: Callable[[], object], budget_s: float = 0.003) -> Callable[[], flo
     return sample
 
 
-def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, shapes: Sequence[str]) -> None:
+def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, shapes: Sequence[str],
+        former_panel: bool = False) -> None:
     import torch
 
     from troupe.kernels.cpu import linear as qlinear
@@ -101,6 +103,8 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                 cands: dict[str, Callable[[], float]] = {"eager": _time(lambda: eager(x))}  # noqa: B023
                 for q, w in weights.items():
                     cands[q.name] = _time(functools.partial(ops.linear, x, w.data, int(q), None, -1))
+                    if former_panel and m > 8:  # the former dot-product panel kernel, forced (path 3)
+                        cands[q.name + " former-panel"] = _time(functools.partial(ops.linear, x, w.data, int(q), None, 3))
                     if q8 and q not in (QType.F16, QType.BF16):
                         cands[q.name + " q8"] = _time(functools.partial(ops.linear_q8, x, w.data, int(q), None, -1))
                 times: dict[str, list[float]] = {c: [] for c in cands}
@@ -186,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--q8", action="store_true", help="also time 8-bit activations (linear_q8)")
+    p.add_argument("--former-panel", action="store_true",
+                   help="also time the former dot-product panel kernel (path 3) on the same weights")
     p.add_argument("--isa", choices=["native", "avx2", "both"], default="native")
     p.add_argument("--model-order", action="store_true",
                    help="time one decode step's projections of a real model in model order (see above)")
@@ -199,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         child = [*(["--model-order"] if args.model_order else []), *(["--model", args.model] if args.model else []),
                  "--formats", args.formats, "--rows", args.rows, "--shapes", args.shapes, "--repeats",
                  str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
-                 *(["--q8"] if args.q8 else []), "--isa", "native"]
+                 *(["--q8"] if args.q8 else []), *(["--former-panel"] if args.former_panel else []),
+                 "--isa", "native"]
         env = {**os.environ, "TROUPE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
         return subprocess.run([sys.executable, "-m", "troupe.bench.kernels", *child], env=env).returncode
     return 0
@@ -214,7 +221,7 @@ def _run_here(args: argparse.Namespace) -> None:
         run_model_order(args.model, [int(r) for r in args.rows.split(",")], args.repeats)
         return
     run(args.formats.split(","), [int(r) for r in args.rows.split(",")], args.repeats, args.q8,
-        args.shapes.split(","))
+        args.shapes.split(","), args.former_panel)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@
 // - rows (M <= 4, decode; qmatmul_rows.h): each block is decoded into registers and multiplied into all M
 //   rows at once, several weight rows in flight; the weights stream once, prefetched ahead. Up to
 //   ROWS_PATH_MAX_M rows (8 with AVX-512) it runs in passes of 4 rows.
-// - panel (larger M): a thread decodes a tile of weight rows into a float32 scratch (L2) and multiplies all M
-//   rows by it with a register-blocked dot-product kernel (measured level with oneDNN's packed float32
-//   GEMM on the same shapes, on both ISAs; a BLAS sgemm per tile was slower).
+// - panel (larger M; panel_gemm.h, panel_pack.h): a thread decodes a tile of weight rows once into packed
+//   panels and multiplies rows of x by them with a BLIS-style outer-product micro-kernel (x broadcast,
+//   panel vectors streamed; AVX-512 12 x 32 or, for M <= 64, 12 x 8 on 4-k interleaved panels; AVX2
+//   6 x 16). The former panel kernel (dot products against a row-major scratch, below) stays callable as
+//   path 3, for tests and the benchmark.
 //
 // Also: dequantize (W -> float32), embedding (the looked-up rows only).
 #include <ATen/Parallel.h>
@@ -26,6 +28,7 @@
 // Dequantized values must be the reference's bit for bit: no multiply-add fused behind our back (the
 // FMAs of the dot products are explicit intrinsics, which this does not touch).
 #pragma GCC optimize("fp-contract=off")
+#include "panel_gemm.h"
 #include "qmatmul_rows.h"
 #include "quant.h"
 
@@ -62,12 +65,13 @@ void decode_row(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
-// ------------------------------------------------------------------------------- panel path (moderate M)
+// ------------------------------------------------------------------------------- former panel path (path 3)
 //
-// A thread decodes a tile of NT weight rows into a 64-byte aligned float32 scratch (NT x K), then computes
-// every out[m][n] of the tile as a dot product along K with an MR x NR register tile (MR rows of x against
-// NR decoded rows: MR + NR vector loads feed MR * NR FMAs), reducing NR accumulators at once into one
-// 4-float store.
+// Kept for comparison (python -m troupe.bench.kernels --former-panel), and taken by M on AVX2 builds up to
+// FORMER_PANEL_MAX_M rows. A thread decodes a tile of NT weight rows into a 64-byte aligned float32
+// scratch (NT x K), then computes every out[m][n] of the tile as a dot product along K with an MR x NR
+// register tile (MR rows of x against NR decoded rows: MR + NR vector loads feed MR * NR FMAs), reducing
+// NR accumulators at once into one 4-float store.
 
 #if defined(__AVX512F__)
 constexpr int MR = 6;
@@ -184,6 +188,15 @@ constexpr int64_t ROWS_PATH_MAX_M = 8;
 #else
 constexpr int64_t ROWS_PATH_MAX_M = 4;
 #endif
+// Up to this M the by-M choice takes the former panel kernel (path 3) over the panel GEMM. AVX-512: never
+// (the GEMM's 4-k packing is cheap enough from 9 rows). AVX2: its 8 x 8 transposes make packing the larger
+// cost up to ~64 rows, where the former kernel's row-major decode wins (measured in the same runs,
+// docs/kernels.md: the GEMM at 0.77-0.93 of its speed at M = 16..32, level at 64, ahead from 256).
+#if defined(__AVX512F__)
+constexpr int64_t FORMER_PANEL_MAX_M = 0;
+#else
+constexpr int64_t FORMER_PANEL_MAX_M = 64;
+#endif
 
 at::Tensor qmatmul_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
@@ -218,9 +231,10 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "troupe_qmm: bias must be (N,) float32");
     b = bias->data_ptr<float>();
   }
-  // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time)
-  if (path < 0) path = M <= ROWS_PATH_MAX_M ? 0 : 1;
-  TORCH_CHECK(path >= 0 && path <= 2, "troupe_qmm: path must be -1 (by M), 0, 1 or 2, got ", path);
+  // -1: by M; forced (tests, benchmarks): 0 rows, 1 panel, 2 the former rows path (one weight row at a time),
+  // 3 the former panel path (dot products)
+  if (path < 0) path = M <= ROWS_PATH_MAX_M ? 0 : M <= FORMER_PANEL_MAX_M ? 3 : 1;
+  TORCH_CHECK(path >= 0 && path <= 3, "troupe_qmm: path must be -1 (by M), 0, 1, 2 or 3, got ", path);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -235,6 +249,8 @@ at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
         if (path == 0) rows_path<Q>(xp + m0 * K, mb, K, wp, rb, N, o + m0 * N, b);
         else rows1_path<Q>(xp + m0 * K, mb, K, wp, rb, N, o + m0 * N, b);
       }
+    } else if (path == 1) {
+      gemm_panel_path<Q>(xp, M, K, wp, rb, N, o, b);
     } else {
       panel_path<Q>(xp, M, K, wp, rb, N, o, b);
     }
