@@ -21,6 +21,7 @@
 
 #include "panel_pack.h"
 #include "quant.h"
+#include "scratch.h"
 
 namespace troupe_quant {
 
@@ -28,24 +29,6 @@ constexpr int64_t PANEL_KC = 576;  // k per slice: the default model's K = 576 w
 #if defined(__AVX512F__)
 constexpr int64_t L4_MAX_M = 64;  // measured: PanelL4 ahead up to here, level at 96, PanelT ahead from 128
 #endif
-
-// A 64-byte aligned float buffer that lives as long as its thread and only grows (no allocation and no
-// page faults per call).
-inline float* thread_buffer(size_t n) {
-  struct Buf {
-    float* p = nullptr;
-    size_t n = 0;
-    ~Buf() { std::free(p); }
-  };
-  thread_local Buf buf;
-  if (buf.n < n) {
-    std::free(buf.p);
-    buf.p = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
-    TORCH_CHECK(buf.p != nullptr, "troupe_qmm: out of memory");
-    buf.n = n;
-  }
-  return buf.p;
-}
 
 template <class L, int mr>
 inline void micro_any(int mr_rt, const float* x, int64_t ldx, const float* b, int64_t kc, float* c, int64_t ldc, int nc,
@@ -97,7 +80,8 @@ void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   const int64_t KC = std::max<int64_t>(F::QK, PANEL_KC / F::QK * F::QK);
   // the panels (a tile, or one K slice), then the stage 1 KiB further (off the panels' 4 KiB alignment)
   const int64_t panel_floats = fused ? KC * L::NR : tiles.max_panels * L::NR * K;
-  float* packed = thread_buffer(static_cast<size_t>(panel_floats + 256 + L::STAGE * F::QK));
+  float* packed = reinterpret_cast<float*>(
+      thread_scratch(sizeof(float) * static_cast<size_t>(panel_floats + 256 + L::STAGE * F::QK)));
   float* stage = packed + panel_floats + 256;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = tiles.begin(t) * L::NR, nt = std::min<int64_t>(tiles.begin(t + 1) * L::NR, N) - n0;

@@ -25,6 +25,7 @@
 
 #include "q8_vec.h"
 #include "quant_q8.h"
+#include "scratch.h"
 
 namespace troupe_quant {
 
@@ -203,25 +204,6 @@ inline void gemm_micro_any(int mr, const uint8_t* wq, const float* ga, const flo
   gemm_micro<Q, MRT>(wq, ga, gb, C, xq, K, xd, xs, out, ldo, bias, nv);
 }
 
-// A thread's scratch, kept between calls (a fresh allocation of this size is an mmap whose page faults
-// cost as much as unpacking a small tile): at least `bytes`, 64-byte aligned.
-inline uint8_t* gemm_scratch(size_t bytes) {
-  struct Buffer {
-    uint8_t* p = nullptr;
-    size_t size = 0;
-    ~Buffer() { std::free(p); }
-  };
-  thread_local Buffer buf;
-  if (buf.size < bytes) {
-    std::free(buf.p);
-    buf.size = (bytes + 63) / 64 * 64;
-    buf.p = static_cast<uint8_t*>(std::aligned_alloc(64, buf.size));
-    if (buf.p == nullptr) buf.size = 0;
-    TORCH_CHECK(buf.p != nullptr, "troupe_qmm: out of memory");
-  }
-  return buf.p;
-}
-
 // y (M, N) = the quantized x (xq (M, K), xd and xs (M, K / 32)) @ W^T (+ bias). Threads take tiles of
 // weight groups (as many groups as fit ~256 KiB, the tile count a multiple of the threads so that they
 // balance), unpack each tile once and multiply every row of x by it.
@@ -236,7 +218,7 @@ void q8_gemm(const int8_t* xq, const float* xd, const float* xs, int64_t M, int6
   const int64_t TG = (G + threads * rounds - 1) / (threads * rounds);  // groups per tile
   const int64_t tiles = (G + TG - 1) / TG;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    uint8_t* buf = gemm_scratch(static_cast<size_t>(TG * group_bytes + 2 * TG * C * GL * 4 + GL * K));
+    uint8_t* buf = thread_scratch(static_cast<size_t>(TG * group_bytes + 2 * TG * C * GL * 4 + GL * K));
     uint8_t* wq = buf;
     float* ga = reinterpret_cast<float*>(buf + TG * group_bytes);
     float* gb = ga + TG * C * GL;
