@@ -19,8 +19,8 @@ the former one-row-at-a-time kernel (path 2) on the plain copy (what main ran). 
 milliseconds per sequence and the ratio of the last to the first.
 
 `--isa both` runs the whole table twice: for this CPU's build, then in a subprocess for the AVX2/FMA
-baseline, with MKL and oneDNN held to AVX2 as well (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), which is
-what an AVX2-only machine runs.
+baseline, with MKL, oneDNN and ATen held to AVX2 as well (`troupe.bench.peers.AVX2_ENV`, as in `troupe
+bench --isa avx2`), which is what an AVX2-only machine runs.
 """
 
 from __future__ import annotations
@@ -207,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
                  *(["--q8"] if args.q8 else []), *(["--former-panel"] if args.former_panel else []),
                  "--isa", "native"]
-        env = {**os.environ, "TROUPE_CPU_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        from troupe.bench.peers import AVX2_ENV
+
+        env = {**os.environ, **AVX2_ENV}
         return subprocess.run([sys.executable, "-m", "troupe.bench.kernels", *child], env=env).returncode
     return 0
 
