@@ -88,11 +88,14 @@ def bare_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-# libgomp spin iterations before an idle torch thread sleeps (GOMP_SPINCOUNT), for engine processes. Its
-# own default (300,000) makes a thread spin for a long time when another process holds the core it waits
-# for; 0 (OMP_WAIT_POLICY=PASSIVE) makes every op's hand-off a sleep and wake-up, which slows each
-# step down. A short spin bridges the gaps between one op and the next.
-ENGINE_SPIN_COUNT = "3000"
+# libgomp spin iterations before an idle torch thread sleeps (GOMP_SPINCOUNT), for engine processes; one
+# iteration is one `pause` instruction. Long enough to bridge the Python between one kernel's parallel
+# region and the next even at one row per step (shorter, the torch threads sleep and are woken at almost
+# every op: each wake-up costs more than the op on a VM), short enough to bound the waste when another busy
+# process holds the core a waiting thread needs (libgomp's own default, 300,000, spins ~30x longer).
+# docs/benchmarks.md, "OpenMP spin", has the measured trade-off; where other busy processes share the
+# cores, OMP_WAIT_POLICY=PASSIVE or a lower GOMP_SPINCOUNT wins.
+ENGINE_SPIN_COUNT = "10000"
 
 
 def engine_omp_settings() -> dict[str, str]:
