@@ -197,6 +197,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="time one decode step's projections of a real model in model order (see above)")
     p.add_argument("--model", default=None, help="with --model-order: a GGUF file (default: the default model)")
     args = p.parse_args(argv)
+    # names as the user may type them (q4_1 for Q4_1); anything else is refused here, naming the choices
+    from troupe.kernels.quant import QType
+
+    args.formats = ",".join(f.strip().upper() for f in args.formats.split(","))
+    unknown = [f for f in args.formats.split(",") if f not in QType.__members__]
+    if unknown:
+        p.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(QType.__members__)}")
+    bad_shapes = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if bad_shapes:
+        p.error(f"--shapes: unknown {', '.join(bad_shapes)}; choose from {', '.join(SHAPES)}")
     if args.model_order and args.rows == ROWS_DEFAULT:
         args.rows = "1,2,4"
     if args.isa in ("native", "both"):
