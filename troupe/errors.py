@@ -27,6 +27,13 @@ class InvalidInputError(ValueError):
         self.field = field
 
 
+class NoTokenAllowedError(RuntimeError):
+    """Every token of a request's logits row is masked (its allowed_token_ids, bad_words, min_tokens and
+    structured-output grammar leave none): nothing can be sampled, so that request fails. Raised in the
+    engine's sampler; the request's error text names this class, which is how the server tells this
+    failure (the request's own parameters contradict each other: HTTP 400) from an internal one (500)."""
+
+
 class ModelLoadError(ValueError):
     """A model that cannot be loaded; the message names the file and the problem."""
 

@@ -287,3 +287,19 @@ def test_streamed_logprobs_and_tool_call_equal_the_whole_answer(client: openai.O
                 args += tc.function.arguments or "" if tc.function else ""
     assert names == ["get_weather"] and args == call.function.arguments  # type: ignore[union-attr]
     jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])  # type: ignore[index]
+
+
+def test_parameters_that_leave_no_token_get_a_400_and_the_engine_serves_on(server: ServerProcess) -> None:
+    """allowed_token_ids = [the token of " the"] with bad_words = [" the"] masks every token: the request
+    gets a 400 naming the conflict (not a 500: its own parameters are at fault), and the next request is
+    served."""
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": " the", "add_special_tokens": False}).json()["tokens"]
+    assert len(tokens) == 1
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": 4, "allowed_token_ids": tokens, "bad_words": [" the"]}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and "every token is masked" in error["message"]
+    assert error["param"] == "sampling parameters"
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": "smol", "prompt": PROMPT, "max_tokens": 2}, timeout=120)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]

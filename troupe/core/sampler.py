@@ -42,15 +42,12 @@ from typing import NamedTuple, Protocol
 import torch
 
 from troupe.core.sampling_metadata import SamplingMetadata
+from troupe.errors import NoTokenAllowedError
 from troupe.sampling_params import SamplingParams
 
 _TOP_P_SLICE = 1024
 NEG_INF = float("-inf")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-
-
-class NoTokenAllowedError(RuntimeError):
-    """Every token of a row is masked: nothing can be sampled for that request."""
 
 
 @dataclass(slots=True)
