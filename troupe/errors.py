@@ -10,13 +10,19 @@
   for `engine_hang_timeout_s` while requests wait. Nothing is killed.
 
 A request that fails on its own (its sampling, its detokenization, ...) raises nothing: it finishes
-with finish_reason "error" and `RequestOutput.error`. `single_error` picks the one exception the
+with finish_reason "error", `RequestOutput.error` (the text) and `RequestOutput.error_kind` (whose fault:
+`ErrorKind`, decided by `error_kind` from the exception where it was raised, so that no caller has to
+parse the text: the server answers "invalid_request" with a 400 and "internal" with a 500). `single_error` picks the one exception the
 facades raise when several tasks failed at once, so an `ExceptionGroup` never reaches a user.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, NamedTuple
+
+ErrorKind = Literal["invalid_request", "internal"]
+"""Whose fault a request's own failure was: "invalid_request" (its parameters, e.g. constraints that leave
+no token to sample; the client must change the request) or "internal" (troupe's or the model's)."""
 
 
 class InvalidInputError(ValueError):
@@ -30,8 +36,20 @@ class InvalidInputError(ValueError):
 class NoTokenAllowedError(RuntimeError):
     """Every token of a request's logits row is masked (its allowed_token_ids, bad_words, min_tokens and
     structured-output grammar leave none): nothing can be sampled, so that request fails. Raised in the
-    engine's sampler; the request's error text names this class, which is how the server tells this
-    failure (the request's own parameters contradict each other: HTTP 400) from an internal one (500)."""
+    engine's sampler; `error_kind` files it under "invalid_request" (the request's own parameters
+    contradict each other: the server's HTTP 400), not "internal" (500)."""
+
+
+def error_kind(exc: BaseException) -> ErrorKind:
+    """Whose fault a request's own failure was, from the exception that failed it."""
+    return "invalid_request" if isinstance(exc, (InvalidInputError, NoTokenAllowedError)) else "internal"
+
+
+class RequestFailure(NamedTuple):
+    """Why one request failed on its own inside the engine: the text its caller gets, and whose fault."""
+
+    error: str
+    kind: ErrorKind = "internal"
 
 
 class ModelLoadError(ValueError):

@@ -18,6 +18,7 @@ import time
 
 import msgspec
 
+from troupe.errors import ErrorKind
 from troupe.sampling_params import SamplingParams
 
 
@@ -97,6 +98,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaul
     error: str | None = None  # set with FinishReason.ERROR: why this request failed
     new_logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
+    error_kind: ErrorKind | None = None  # set with `error`: whose fault (troupe.errors.ErrorKind)
 
     @property
     def finished(self) -> bool:

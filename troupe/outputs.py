@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import msgspec
 
+from troupe.errors import ErrorKind
+
 _REPR_TEXT = 60  # characters of text shown by __repr__ before eliding
 
 
@@ -111,7 +113,8 @@ class RequestOutput(msgspec.Struct, gc=False):
     `finished` is True on exactly one output per request: the last one.
     `num_cached_tokens` is the number of prompt tokens served from the prefix cache.
     `metrics` is set on the final output only. `error` says why a request with finish_reason
-    "error" failed (on its final output), else None.
+    "error" failed (on its final output), else None; `error_kind` says whose fault that was
+    (`troupe.errors.ErrorKind`: "invalid_request", the request's own parameters, or "internal").
     """
 
     request_id: str
@@ -123,6 +126,7 @@ class RequestOutput(msgspec.Struct, gc=False):
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a newer output of the same request into this one, in place.
@@ -137,7 +141,7 @@ class RequestOutput(msgspec.Struct, gc=False):
         if next_output.metrics is not None:
             self.metrics = next_output.metrics
         if next_output.error is not None:
-            self.error = next_output.error
+            self.error, self.error_kind = next_output.error, next_output.error_kind
         if next_output.prompt_logprobs is not None:
             self.prompt_logprobs = next_output.prompt_logprobs
         for new in next_output.outputs:

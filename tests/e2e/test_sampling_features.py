@@ -196,6 +196,7 @@ def test_a_grammar_that_leaves_no_token_fails_only_its_request(llm: LLM) -> None
     outs = llm.generate(["one", "two", "three"], params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 12
     assert outs[1].outputs[0].finish_reason == "error" and "masked" in (outs[1].error or "")
+    assert outs[1].error_kind == "invalid_request" and outs[0].error_kind is None
     assert re.fullmatch(REGEX, outs[2].outputs[0].text)
 
 

@@ -117,7 +117,7 @@ async def test_one_failing_child_finishes_alone(tiny_llama: Path) -> None:
                         **TINY_ENGINE) as llm:
         (out,) = await outputs(llm, prompt(5000, 4), params(3, seed=1), "bad-request")
         assert {c.index: c.finish_reason for c in out.outputs} == {0: "length", 1: "error", 2: "length"}
-        assert out.error is not None and out.error.startswith("sample 1:")
+        assert out.error is not None and out.error.startswith("sample 1:") and out.error_kind == "internal"
         assert [len(c.token_ids) for c in out.outputs if c.index != 1] == [8, 8]
         (healthy,) = await outputs(llm, prompt(5000, 4), params(2, seed=1), "good-request")
         assert [c.finish_reason for c in healthy.outputs] == ["length", "length"]

@@ -75,6 +75,7 @@ async def test_one_failed_request_among_many_finished(faulty_llm: AsyncLLM, pois
     final = outs[-1]
     assert final.finished and final.outputs[0].finish_reason == "error"
     assert final.error is not None and error in final.error
+    assert final.error_kind == "internal"  # troupe's fault, not the request's: a 500 on the server
     assert sum(o.finished for o in outs) == 1
     assert sorted(together) == sorted(others)
     for rid, got in together.items():
@@ -128,6 +129,26 @@ async def test_min_tokens_and_extreme_seeds_do_not_kill_the_engine(faulty_llm: A
         with pytest.raises(InvalidInputError) as info:
             SamplingParams(seed=seed)
         assert info.value.field == "seed"
+    await llm.check_health()
+    await assert_idle(llm)
+
+
+async def test_parameters_that_leave_no_token_fail_alone_as_the_requests_own_fault(
+        faulty_llm: AsyncLLM, tokenizer: Any) -> None:
+    """allowed_token_ids = [EOS] while min_tokens forbids EOS leaves no token to sample: that request
+    alone ends with finish_reason "error", the sampler's reason and error_kind "invalid_request" (which
+    crosses the engine boundary in every mode: the server's 400), whatever its output kind; the
+    request beside it finishes untouched and nothing is left behind."""
+    llm = faulty_llm
+    eos = tokenizer.eos_token_id
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+        got = await run(llm, {"conflict": SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2,
+                                                         allowed_token_ids=[eos], output_kind=kind),
+                              "fine": greedy(4)})
+        final = got["conflict"][-1]
+        assert final.finished and final.outputs[0].finish_reason == "error", final
+        assert "every token is masked" in (final.error or "") and final.error_kind == "invalid_request"
+        assert got["fine"][-1].outputs[0].finish_reason == "length" and got["fine"][-1].error_kind is None
     await llm.check_health()
     await assert_idle(llm)
 

@@ -54,6 +54,8 @@ def test_every_message_round_trips() -> None:
     to_engine: list[Any] = [GOOD, AbortRequest(["a", "b"]), UtilityCall(3, "get_stats", [1, "x"]), EngineShutdown()]
     from_engine: list[Any] = [
         EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5, 6], FinishReason.LENGTH)], finished_requests=["r"]),
+        EngineCoreOutputs(outputs=[EngineCoreOutput("e", [], FinishReason.ERROR, error="masked",
+                                                    error_kind="invalid_request")], finished_requests=["e"]),
         UtilityResult(3, result={"num_running": 0}), EngineDead("boom"),
     ]
     enc = FrameEncoder()
@@ -77,6 +79,7 @@ def test_bad_frames_become_per_request_errors() -> None:
         reply = replies[0]
         if isinstance(reply, EngineCoreOutputs):
             assert reply.outputs[0].request_id == "bad" and reply.outputs[0].finish_reason == FinishReason.ERROR
+            assert reply.outputs[0].error_kind == "internal"
             assert reply.finished_requests == ["bad"]
         else:
             assert isinstance(reply, UtilityResult) and reply.call_id == 7

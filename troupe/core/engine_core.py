@@ -46,7 +46,7 @@ from troupe.core.model_runner import ModelRunner
 from troupe.core.request import Request
 from troupe.core.sampler import LogprobsRow, SamplingRow, make_sampler
 from troupe.core.scheduler import ScheduledRequest, Scheduler
-from troupe.errors import InvalidInputError
+from troupe.errors import InvalidInputError, RequestFailure, error_kind
 from troupe.inputs import ModelLimits, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
@@ -190,7 +190,7 @@ class EngineCore:
         if tracing:
             self._trace_scheduled(sched_out.scheduled)
         sampled: dict[str, int] = {}
-        failed: dict[str, str] = {}  # request id -> why it failed (its own fault: see _sample)
+        failed: dict[str, RequestFailure] = {}  # request id -> why it failed (its own fault: see _sample)
         logprobs: dict[str, LogprobsLists] = {}
         prompt_logprobs: dict[str, LogprobsLists] = {}
         if sched_out.scheduled:
@@ -251,15 +251,17 @@ class EngineCore:
             req = self._waiting_for_grammar.pop(rid, None)
             if req is not None:
                 log.error("request failed", request_id=req.external_id, internal_id=rid, error=error)
-                self._failed_outside.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error=error))
+                self._failed_outside.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error=error,
+                                                             error_kind="internal"))  # validated at the edge
 
-    def _fail_now(self, req: Request, error: str) -> None:
+    def _fail_now(self, req: Request, failure: RequestFailure) -> None:
         """Finish a scheduled request with an error outside the sampled-token path (its blocks freed)."""
         self.scheduler.finish_requests([req.request_id], FinishReason.ERROR)
-        self._failed_outside.append(EngineCoreOutput(req.request_id, [], FinishReason.ERROR, error=error,
-                                                     num_preemptions=req.num_preemptions))
+        self._failed_outside.append(EngineCoreOutput(req.request_id, [], FinishReason.ERROR, error=failure.error,
+                                                     num_preemptions=req.num_preemptions,
+                                                     error_kind=failure.kind))
 
-    def _prompt_logprobs(self, seqs: list[ScheduledSeq], logits: torch.Tensor, failed: dict[str, str],
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], logits: torch.Tensor, failed: dict[str, RequestFailure],
                          out: dict[str, LogprobsLists]) -> torch.Tensor:
         """Take the prompt-logits rows out of `logits` (see `troupe.core.batch`), compute those requests'
         prompt logprobs, and return the rows to sample from, one per seq that needs logits. A request's
@@ -274,7 +276,7 @@ class EngineCore:
         return logits
 
     def _take_prompt_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor,
-                            failed: dict[str, str]) -> torch.Tensor:
+                            failed: dict[str, RequestFailure]) -> torch.Tensor:
         keep: list[int] = []
         at = 0
         for seq in seqs:
@@ -294,7 +296,7 @@ class EngineCore:
             at += n
         return logits[keep]
 
-    def _advance_grammars(self, sampled: dict[str, int], failed: dict[str, str]) -> None:
+    def _advance_grammars(self, sampled: dict[str, int], failed: dict[str, RequestFailure]) -> None:
         """Each structured request's grammar accepts its sampled token; one it rejects fails the request."""
         for rid, token in list(sampled.items()):
             matcher = self.structured.matcher(rid)
@@ -311,7 +313,7 @@ class EngineCore:
                 self._requests[rid].grammar_terminated = True
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]
-                ) -> tuple[dict[str, int], dict[str, str], dict[str, LogprobsRow]]:
+                ) -> tuple[dict[str, int], dict[str, RequestFailure], dict[str, LogprobsRow]]:
         """One token per request of `reqs` (row i of `logits` (S, V) is `reqs[i]`'s), the requests
         that failed, and the logprobs rows of those that asked: `(sampled, failed, logprobs)`, by id.
 
@@ -320,7 +322,7 @@ class EngineCore:
         (the seeded generators first rewound to where they were) and only the rows that raise on
         their own fail. Nothing here raises: what cannot be pinned on a request (the forward
         itself) has failed before this is called."""
-        failed: dict[str, str] = {}
+        failed: dict[str, RequestFailure] = {}
         rows: list[SamplingRow] = []
         kept: list[int] = []
         for i, req in enumerate(reqs):
@@ -358,12 +360,18 @@ class EngineCore:
         return sampled, failed, logprobs
 
     @staticmethod
-    def _request_failed(req: Request, stage: str, exc: Exception) -> str:
-        """Log one request's own failure (with its traceback) and return the text its caller gets."""
+    def _request_failed(req: Request, stage: str, exc: Exception) -> RequestFailure:
+        """Log one request's own failure (with its traceback) and return what its caller gets: the text
+        and whose fault it was (`error_kind`: the request's own conflicting parameters, or internal)."""
         error = f"{stage} failed: {type(exc).__name__}: {exc}"
-        log.error("request failed", request_id=req.external_id, internal_id=req.request_id, error=error,
-                  exc_info=exc)
-        return error
+        kind = error_kind(exc)
+        if kind == "internal":
+            log.error("request failed", request_id=req.external_id, internal_id=req.request_id, error=error,
+                      exc_info=exc)
+        else:  # the client's to fix: no traceback
+            log.warning("request failed", request_id=req.external_id, internal_id=req.request_id, error=error,
+                        error_kind=kind)
+        return RequestFailure(error, kind)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         suppressed: frozenset[int] = frozenset()

@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 from troupe.core.batch import ScheduledSeq
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.request import Request, RequestStatus
-from troupe.errors import InvalidInputError
+from troupe.errors import InvalidInputError, RequestFailure
 from troupe.messages import EngineCoreOutput, FinishReason, LogprobsLists, SchedulerStats
 
 
@@ -242,11 +242,12 @@ class Scheduler:
         return False
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
-                           failed: dict[str, str] | None = None, logprobs: dict[str, LogprobsLists] | None = None,
+                           failed: dict[str, RequestFailure] | None = None,
+                           logprobs: dict[str, LogprobsLists] | None = None,
                            prompt_logprobs: dict[str, LogprobsLists] | None = None,
                            ) -> tuple[list[EngineCoreOutput], list[str]]:
         """Apply one step's sampled tokens (`sampled[request_id]` for each `needs_logits` entry, or
-        `failed[request_id]`, the error text of a request whose sampling failed), with their logprobs
+        `failed[request_id]`, why a request's sampling failed: its error text and kind), with their logprobs
         and prompt logprobs where the engine computed them (passed on in the outputs). Returns one output
         per request that got a token or failed (never for a partial prefill chunk) and the ids that
         finished in this call. A failed request (or one whose stop check raises) finishes with
@@ -261,17 +262,17 @@ class Scheduler:
             self.kv_cache.cache_blocks(req)
             if not s.needs_logits:
                 continue
-            error = failed.get(req.request_id) if failed else None
+            failure = failed.get(req.request_id) if failed else None
             new: list[int] = []
-            if error is None:
+            if failure is None:
                 token = sampled[req.request_id]
                 req.append_token(token)
                 new = [token]
                 try:
                     stopped = self._check_stop(req)
                 except Exception as exc:  # this request's own failure
-                    error = f"stop check failed: {type(exc).__name__}: {exc}"
-            if error is not None:
+                    failure = RequestFailure(f"stop check failed: {type(exc).__name__}: {exc}")
+            if failure is not None:
                 req.finish_reason, req.stop_reason = FinishReason.ERROR, None
                 stopped = True
             if stopped:
@@ -282,7 +283,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req.request_id, new, req.finish_reason, req.stop_reason,
                 num_cached_tokens=max(0, req.num_cached_tokens), num_preemptions=req.num_preemptions,
-                error=error, new_logprobs=logprobs.get(req.request_id) if logprobs and new else None,
+                error=failure.error if failure else None, error_kind=failure.kind if failure else None,
+                new_logprobs=logprobs.get(req.request_id) if logprobs and new else None,
                 prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]

@@ -32,7 +32,7 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe.errors import InvalidInputError
+from troupe.errors import InvalidInputError, error_kind
 from troupe.log import trace, trace_enabled
 from troupe.messages import (
     AbortRequest,
@@ -134,7 +134,8 @@ class EngineCoreActor:
                         error = str(exc) if isinstance(exc, InvalidInputError) else f"{type(exc).__name__}: {exc}"
                         log.warning("request rejected", request_id=msg.external_id, internal_id=msg.request_id,
                                     error=error, exc_info=None if isinstance(exc, InvalidInputError) else exc)
-                        errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR, error=error))
+                        errors.append(EngineCoreOutput(msg.request_id, [], FinishReason.ERROR, error=error,
+                                                       error_kind=error_kind(exc)))
                     else:
                         log.debug("request added", request_id=msg.external_id, internal_id=msg.request_id,
                                   prompt_tokens=len(msg.prompt_token_ids),

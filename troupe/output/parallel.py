@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import msgspec
 
+from troupe.errors import ErrorKind
 from troupe.messages import AddRequest
 from troupe.output.collector import OutputSink
 from troupe.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -52,7 +53,7 @@ class ParentRequest:
     """The frontend's state of one fanned-out request (see the module docstring)."""
 
     __slots__ = ("request_id", "external_id", "n", "output_kind", "queue", "metrics", "held", "released",
-                 "engine_index", "_done", "_finals", "_error", "_cached")
+                 "engine_index", "_done", "_finals", "_error", "_error_kind", "_cached")
 
     def __init__(self, request_id: str, external_id: str, n: int, output_kind: RequestOutputKind,
                  queue: OutputSink | None, arrival_time: float) -> None:
@@ -68,6 +69,7 @@ class ParentRequest:
         self._done: set[int] = set()
         self._finals: dict[int, CompletionOutput] = {}
         self._error: str | None = None
+        self._error_kind: ErrorKind | None = None
         self._cached = 0
 
     @property
@@ -84,7 +86,7 @@ class ParentRequest:
             self._done.add(index)
             self._fold(metrics)
             if out is not None and out.error is not None and self._error is None:
-                self._error = f"sample {index}: {out.error}"
+                self._error, self._error_kind = f"sample {index}: {out.error}", out.error_kind
             if out is not None and self.output_kind is _FINAL_ONLY:
                 self._finals[index] = out.outputs[0]
         all_done = self.finished
@@ -96,13 +98,14 @@ class ParentRequest:
             completions = [self._finals[i] for i in sorted(self._finals)]
             return RequestOutput(self.external_id, out.prompt if out else None, out.prompt_token_ids if out else None,
                                  completions, True, num_cached_tokens=self._cached, metrics=self.metrics,
-                                 error=self._error)
+                                 error=self._error, error_kind=self._error_kind)
         if out is None:
             return None
         out.finished = all_done
         out.num_cached_tokens = self._cached
         out.metrics = self.metrics if all_done else None
         out.error = self._error if all_done else None
+        out.error_kind = self._error_kind if all_done else None
         return out
 
     def _fold(self, child: RequestMetrics) -> None:

@@ -227,7 +227,7 @@ class OutputProcessor:
                     if finish_reason is None:
                         reqs_to_abort.append(eco.request_id)
                     finish_reason, stop_reason = _STOP, stop_string
-                out = state.make_output(new_ids, finish_reason, stop_reason, eco.error)
+                out = state.make_output(new_ids, finish_reason, stop_reason, eco.error, eco.error_kind)
             except Exception as exc:
                 if finish_reason is None:
                     reqs_to_abort.append(eco.request_id)

@@ -4,6 +4,7 @@ makes after each engine step. Owned by the `OutputProcessor` (troupe.output.proc
 
 from __future__ import annotations
 
+from troupe.errors import ErrorKind
 from troupe.messages import EngineCoreOutput, FinishReason
 from troupe.output.collector import OutputSink
 from troupe.output.detokenizer import IncrementalDetokenizer
@@ -78,18 +79,18 @@ class RequestState:
 
     def make_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
-        error: str | None = None,
+        error: str | None = None, error_kind: ErrorKind | None = None,
     ) -> RequestOutput | None:
         """The output to deliver after this step, or None when there is nothing to say yet; with the
         request's logprobs on it, sliced for its output kind."""
-        out = self._make_output(new_token_ids, finish_reason, stop_reason, error)
+        out = self._make_output(new_token_ids, finish_reason, stop_reason, error, error_kind)
         if out is not None and self.logprobs is not None:
             self.logprobs.attach(out)
         return out
 
     def _make_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None,
-        error: str | None,
+        error: str | None, error_kind: ErrorKind | None,
     ) -> RequestOutput | None:
         finished = finish_reason is not None
         kind = self.output_kind
@@ -129,6 +130,7 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             error=error,
+            error_kind=error_kind,
         )
 
     def make_error_output(self, error: str) -> RequestOutput:
@@ -137,4 +139,5 @@ class RequestState:
         token_ids = [] if self.output_kind is _DELTA else list(self.detokenizer.token_ids)
         completion = CompletionOutput(self.index, "", token_ids, finish_reason=_FINISH_STR[FinishReason.ERROR])
         return RequestOutput(self.external_id, self.prompt, self.prompt_token_ids, [completion], True,
-                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics, error=error)
+                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics, error=error,
+                             error_kind="internal")

@@ -70,7 +70,8 @@ def reject_input(header: Buffer, error: Exception) -> tuple[list[FromEngine], li
         return [], []
     tag, key = raw[0], raw[1]
     if tag == "add" and isinstance(key, str):
-        out = EngineCoreOutput(key, [], FinishReason.ERROR, error=f"bad add request frame: {error}")
+        out = EngineCoreOutput(key, [], FinishReason.ERROR, error=f"bad add request frame: {error}",
+                               error_kind="internal")
         return [EngineCoreOutputs(outputs=[out], finished_requests=[key])], []
     if tag == "utility" and isinstance(key, int):
         method = raw[2] if len(raw) > 2 and isinstance(raw[2], str) else "?"
@@ -94,7 +95,8 @@ def reject_output(header: Buffer, error: Exception) -> tuple[list[ToEngine], lis
         ids = [e[0] for e in entries if isinstance(e, list) and e and isinstance(e[0], str)]
         if not ids:
             return [], []
-        errors = [EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"bad engine output frame: {error}")
+        errors = [EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"bad engine output frame: {error}",
+                                  error_kind="internal")
                   for rid in ids]
         return [AbortRequest(ids)], [EngineCoreOutputs(engine_index=index, outputs=errors, finished_requests=ids)]
     if tag == "utility_result" and len(raw) > 1 and isinstance(raw[1], int):

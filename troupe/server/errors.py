@@ -12,8 +12,9 @@
 | `EngineGenerateError` (one request failed)    | 500    | internal_server_error   |
 | anything else                                 | 500    | internal_server_error   |
 
-A request that failed because its own parameters left no token to sample (the engine's
-`NoTokenAllowedError`) reaches this as an `InvalidInputError` (`ServerState.follow`): a 400.
+A request that failed in the engine by its own fault (`RequestOutput.error_kind` "invalid_request",
+e.g. its parameters leaving no token to sample: the engine's `NoTokenAllowedError`) reaches this as an
+`InvalidInputError` (`ServerState.follow`): a 400.
 
 `param` names the offending field when one is known (`InvalidInputError.field`, the JSON path of
 a msgspec error).

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from troupe.config import EngineConfig
-from troupe.errors import EngineDeadError, EngineGenerateError, InvalidInputError, NoTokenAllowedError
+from troupe.errors import EngineDeadError, EngineGenerateError, InvalidInputError
 from troupe.messages import SchedulerStats
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
@@ -125,15 +125,15 @@ class ServerState:
         """`outputs` of one request, tracked; closing this generator closes (aborts) the request.
         A request that failed on its own (finish_reason "error") raises `EngineGenerateError` with
         its error text instead of yielding its final output: the client gets an error, not a
-        truncated answer. When the failure is its own parameters leaving no token to sample
-        (`NoTokenAllowedError`: allowed_token_ids, bad_words, min_tokens and the grammar contradict each
-        other), it raises `InvalidInputError` instead: a 400 naming them, not a 500."""
+        truncated answer. When the failure was the request's own fault (`RequestOutput.error_kind`
+        "invalid_request", e.g. allowed_token_ids, bad_words, min_tokens and the grammar leaving no token
+        to sample), it raises `InvalidInputError` instead: a 400 naming them, not a 500."""
         async with aclosing(outputs):
             with self._registered(request_id), self.metrics.track(kind, arrival) as record:
                 async for out in outputs:
                     record.observe(out)
                     if out.finished and any(c.finish_reason == "error" for c in out.outputs):
-                        if f"{NoTokenAllowedError.__name__}:" in (out.error or ""):  # its parameters conflict
+                        if out.error_kind == "invalid_request":  # its parameters conflict
                             raise InvalidInputError("sampling parameters", f"request {out.request_id}: {out.error}")
                         raise EngineGenerateError(f"request {out.request_id} failed: {out.error}")
                     yield out
