@@ -12,8 +12,9 @@
 A request that fails on its own (its sampling, its detokenization, ...) raises nothing: it finishes
 with finish_reason "error", `RequestOutput.error` (the text) and `RequestOutput.error_kind` (whose fault:
 `ErrorKind`, decided by `error_kind` from the exception where it was raised, so that no caller has to
-parse the text: the server answers "invalid_request" with a 400 and "internal" with a 500). `single_error` picks the one exception the
-facades raise when several tasks failed at once, so an `ExceptionGroup` never reaches a user.
+parse the text: the server answers "invalid_request" with a 400 and "internal" with a 500).
+`single_error` picks the one exception the facades raise when several tasks failed at once, so an
+`ExceptionGroup` never reaches a user.
 """
 
 from __future__ import annotations
