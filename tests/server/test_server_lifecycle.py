@@ -37,7 +37,7 @@ async def wait_refusing(url: str) -> None:
 async def test_sigterm_drains_then_aborts_and_exits_0(tiny_llama: Path, tmp_path: Path) -> None:
     """SIGTERM: new work is refused, a short stream finishes normally within the grace, a long one
     is aborted when the grace ends (finish_reason "abort", then [DONE]), and the process exits 0."""
-    grace = 3.0
+    grace = 1.0
     with ServerProcess([str(tiny_llama), *TINY, "--shutdown-timeout", str(grace)], tmp_path) as srv:
         streams: dict[str, list[Any]] = {}
         ended: dict[str, float] = {}
