@@ -36,9 +36,14 @@ async def wait_refusing(url: str) -> None:
 
 async def test_sigterm_drains_then_aborts_and_exits_0(tiny_llama: Path, tmp_path: Path) -> None:
     """SIGTERM: new work is refused, a short stream finishes normally within the grace, a long one
-    is aborted when the grace ends (finish_reason "abort", then [DONE]), and the process exits 0."""
-    grace = 1.0
-    with ServerProcess([str(tiny_llama), *TINY, "--shutdown-timeout", str(grace)], tmp_path) as srv:
+    is aborted when the grace ends (finish_reason "abort", then [DONE]), and the process exits 0.
+
+    Each model step waits 10 ms (`step_delay_ms`), so the 1900-token stream needs at least 19 s
+    whatever the machine's speed and cannot finish inside the 3 s grace; the 40-token one needs
+    about 0.4 s plus its compute."""
+    grace = 3.0
+    args = [str(tiny_llama), *TINY, "--shutdown-timeout", str(grace)]
+    with ServerProcess(args, tmp_path, module=[*FAULTY, "step_delay_ms=10"]) as srv:
         streams: dict[str, list[Any]] = {}
         ended: dict[str, float] = {}
         first = {"short": anyio.Event(), "long": anyio.Event()}

@@ -11,6 +11,9 @@ Grammar: comma-separated `name=value` items.
 - `crash_after_steps=N`: model call N+1 segfaults the process (silent death; engine process only).
 - `block_after_steps=N`: model call N+1 blocks until the file named by `release=PATH` exists (a
   hung engine; the test creates the file to let it go on).
+- `step_delay_ms=D`: every model call first waits D milliseconds: paces generation so that a
+  test's long stream cannot finish within a given time however fast the machine is (a lower bound
+  on duration, not a synchronisation).
 - `block_startup=1`: building the engine blocks until `release=PATH` exists (a slow start-up).
 - `fail_startup=MESSAGE`: building the engine raises `RuntimeError(MESSAGE)`.
 - `fail_sampling=PREFIX`: sampling raises `RuntimeError("injected sampling failure")` whenever a
@@ -38,7 +41,8 @@ import threading
 from typing import Any
 
 _NAMES = {"raise_after_steps", "crash_after_steps", "block_after_steps", "block_startup", "fail_startup",
-          "fail_actor_init", "release", "engine", "fail_sampling", "fail_detokenize", "fail_after_tokens"}
+          "fail_actor_init", "release", "engine", "fail_sampling", "fail_detokenize", "fail_after_tokens",
+          "step_delay_ms"}
 POLL_S = 0.01
 
 
@@ -87,7 +91,8 @@ def install(core: Any, spec: str | None) -> None:
     if "fail_sampling" in faults:
         _fail_sampling(core.sampler, faults["fail_sampling"], int(faults.get("fail_after_tokens", 0)))
     step_faults = {k: int(v) for k, v in faults.items() if k.endswith("_after_steps")}
-    if not step_faults:
+    delay_s = float(faults.get("step_delay_ms", 0)) / 1000
+    if not step_faults and not delay_s:
         return
     real = core.runner.execute
     calls = 0
@@ -95,6 +100,8 @@ def install(core: Any, spec: str | None) -> None:
     def execute(seqs: Any) -> Any:
         nonlocal calls
         calls += 1
+        if delay_s:
+            threading.Event().wait(delay_s)  # pacing only: nothing waits on this
         if calls > step_faults.get("raise_after_steps", calls):
             raise RuntimeError("injected model failure")
         if calls > step_faults.get("crash_after_steps", calls):
