@@ -7,7 +7,7 @@
 // split across threads in every one; each weight block is decoded once per call.
 // - rows (M <= 4, decode; qmatmul_rows.h): each block is decoded into registers and multiplied into all M
 //   rows at once, several weight rows in flight; the weights stream once, prefetched ahead. Up to
-//   ROWS_PATH_MAX_M rows (8 with AVX-512) it runs in passes of 4 rows.
+//   ROWS_PATH_MAX_M rows (32 with AVX-512) it runs in passes of 4 rows.
 // - panel (larger M; panel_gemm.h, panel_pack.h): a thread decodes a tile of weight rows once into packed
 //   panels and multiplies rows of x by them with a BLIS-style outer-product micro-kernel (x broadcast,
 //   panel vectors streamed; AVX-512 12 x 32 or, for M <= 64, 12 x 8 on 4-k interleaved panels; AVX2
@@ -180,11 +180,14 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
 
 constexpr int64_t ROWS_MAX_M = 4;  // rows of x per pass of the rows path over the weights
 // By M, the rows path (in passes of ROWS_MAX_M rows) up to this M, the panel path above: the measured
-// crossover for the default model's projections in model order, 2 threads (docs/kernels.md). With AVX-512
-// two passes of 4 rows still stream the weights faster than a panel (M = 5 / 6 / 8: 0.91 / 0.91 / 0.77 of
-// the panel's time), with AVX2 not (1.00 / 1.18 / 0.92: the panel from 5 rows).
+// crossover for the default model's projections in model order, 2 threads (docs/kernels.md). In a model
+// step every weight comes from memory, not cache, and there the AVX-512 rows path keeps ~250 GFLOP/s at
+// any M while the panel GEMM, which beats it on cache-resident weights from ~16 rows, falls to 160-230
+// GFLOP/s below ~40 rows (a whole decode step's projections in model order, Zen 5: M = 8 / 16 / 32 / 40 /
+// 48: 0.46 / 0.70 / 0.93 / 1.00 / 1.09 of the panel's time). With AVX2 (Xeon, session 4) two passes of 4
+// rows did not pay (M = 5 / 6 / 8: 1.00 / 1.18 / 0.92 of the panel's time): the panel from 5 rows.
 #if defined(__AVX512F__)
-constexpr int64_t ROWS_PATH_MAX_M = 8;
+constexpr int64_t ROWS_PATH_MAX_M = 32;
 #else
 constexpr int64_t ROWS_PATH_MAX_M = 4;
 #endif
