@@ -88,12 +88,12 @@ def check_linear(qtype: QType) -> None:
 
 def check_rows_path(qtype: QType) -> None:
     """The decode-sized paths (0: several weight rows in flight, 2: the former one-row kernel) on every
-    M = 1..4 (and 5, 8, 13, 32: passes of four rows of x; by M an AVX-512 build takes it up to 32) and on N below, at and off the kernel's row group (1, 2,
-    3, 4, 5, 8, 37), with and without bias; and N = 1001 (a run of row groups per thread, then a
-    one-row tail) at M = 1 and 3."""
+    M = 1..4 (and 5, 8, 12, 13, 32: passes of four rows of x; by M an AVX-512 build takes it up to 12)
+    and on N below, at and off the kernel's row group (1, 2, 3, 4, 5, 8, 37), with and without bias;
+    and N = 1001 (a run of row groups per thread, then a one-row tail) at M = 1 and 3."""
     g = torch.Generator().manual_seed(7)
     for n, ms in [(1, (1, 2, 3, 4)), (2, (1, 4)), (3, (1, 2, 3, 4)), (4, (1, 3)), (5, (1, 2, 3, 4, 5, 8)),
-                  (8, (1, 2, 3, 4)), (N, (1, 2, 3, 4, 5, 8, 13, 32)), (1001, (1, 3))]:
+                  (8, (1, 2, 3, 4)), (N, (1, 2, 3, 4, 5, 8, 12, 13, 32)), (1001, (1, 3))]:
         w = weight(qtype, n=n, seed=n)
         ref = w.dequantize().double()
         for m in ms:
@@ -137,10 +137,10 @@ def check_panel_path(qtype: QType) -> None:
                         err = rel_err(got, want)
                         assert err < 1e-5, (f"{qtype.name} N={n} M={m} K={k} bias={bias is not None} threads={t} "
                                             f"path={path}: rel err {err:.1e}")
-                    # by M: the rows path up to 32 rows on an AVX-512 build (faster on weights that come
+                    # by M: the rows path up to 12 rows on an AVX-512 build (faster on weights that come
                     # from memory), then the GEMM; on an AVX2 build the former kernel up to 64 rows
                     avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
-                    chosen = (0 if m <= 32 else 1) if avx512 else (1 if m > 64 else 3)
+                    chosen = (0 if m <= 12 else 1) if avx512 else (1 if m > 64 else 3)
                     if chosen == 0:
                         outs[0] = ops().linear(x, w.data, int(qtype), bias, 0)
                     assert torch.equal(ops().linear(x, w.data, int(qtype), bias, -1), outs[chosen]), (

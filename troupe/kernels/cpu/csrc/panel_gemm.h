@@ -83,6 +83,10 @@ void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   float* packed = reinterpret_cast<float*>(
       thread_scratch(sizeof(float) * static_cast<size_t>(panel_floats + 256 + L::STAGE * F::QK)));
   float* stage = packed + panel_floats + 256;
+  // the rows of the panel after the one at row n that this thread packs next (none past its share: another
+  // thread streams those)
+  const int64_t rows_end = std::min<int64_t>(tiles.begin(t1) * L::NR, N);
+  auto next_rows = [&](int64_t n) { return static_cast<int>(std::clamp<int64_t>(rows_end - (n + L::NR), 0, L::NR)); };
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = tiles.begin(t) * L::NR, nt = std::min<int64_t>(tiles.begin(t + 1) * L::NR, N) - n0;
     const int64_t np = (nt + L::NR - 1) / L::NR;
@@ -92,7 +96,7 @@ void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
         const int64_t n = n0 + p * L::NR;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
           const int64_t kc = std::min<int64_t>(KC, K - k0);
-          L::template pack<Q>(w + n * row_bytes + k0 / F::QK * F::BYTES, row_bytes, kc, nr, stage, packed);
+          L::template pack<Q>(w + n * row_bytes + k0 / F::QK * F::BYTES, row_bytes, kc, nr, stage, packed, next_rows(n));
           for (int64_t i = 0, m0 = 0; i < rb.count; m0 += rb.size(i), ++i)
             micro_any<L, L::MR>(rb.size(i), x + m0 * K + k0, K, packed, kc, out + m0 * N + n, N, nr,
                                 bias ? bias + n : nullptr, k0 == 0);
@@ -102,7 +106,8 @@ void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
     }
     for (int64_t p = 0; p < np; ++p) {
       const int nr = static_cast<int>(std::min<int64_t>(L::NR, nt - p * L::NR));
-      L::template pack<Q>(w + (n0 + p * L::NR) * row_bytes, row_bytes, K, nr, stage, packed + p * K * L::NR);
+      L::template pack<Q>(w + (n0 + p * L::NR) * row_bytes, row_bytes, K, nr, stage, packed + p * K * L::NR,
+                          next_rows(n0 + p * L::NR));
     }
     for (int64_t i = 0, m0 = 0; i < rb.count; m0 += rb.size(i), ++i) {
       for (int64_t k0 = 0; k0 < K; k0 += KC) {

@@ -26,6 +26,16 @@ namespace troupe_quant {
 
 constexpr int G_NV = 2;  // panel vectors per k step
 
+// While block b of a panel's rows is decoded, block b of the next panel's first `rows` rows (nr rows
+// further) is prefetched: the packing reads the panel's rows side by side, interleaved streams that the
+// hardware prefetcher does not follow well, so weights streamed from memory (every projection of a model
+// step) stalled the packing (docs/kernels.md). Spread over the blocks, one line per row and block, rather
+// than the next panel at once.
+inline void prefetch_next_panel(const uint8_t* blk, int64_t row_bytes, int nr, int rows) {
+  const uint8_t* next = blk + nr * row_bytes;
+  for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes), _MM_HINT_T0);
+}
+
 // ------------------------------------------------------------------------------- W x W transposes
 
 #if defined(__AVX512F__)
@@ -89,11 +99,12 @@ struct PanelTT {
   // Decode weight rows [0, nr) (nr <= NR; row r at w + r * row_bytes) into one panel: dst[k * NR + j] =
   // W[j][k] for k < K, zero for j >= nr. `stage`: W * QK floats.
   template <int Q>
-  static void pack(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* stage, float* dst) {
+  static void pack(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* stage, float* dst, int pf_rows) {
     using F = Fmt<Q>;
     constexpr int QK = F::QK;
     const int64_t nb = K / QK;
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch_next_panel(w + b * F::BYTES, row_bytes, NR, pf_rows);
       for (int g = 0; g < NVP; ++g) {  // both halves of each panel line while it is in L1
         const int rows = std::clamp(nr - g * W, 0, W);
         for (int r = 0; r < rows; ++r) {
@@ -182,11 +193,12 @@ struct PanelL4 {
   // values go to `stage` (4 x QK floats, L1), then for each 8 values of k two 256-bit loads and inserts pair
   // rows (0 | 1) and (2 | 3), and one 128-bit lane shuffle per output vector finishes the interleave.
   template <int Q>
-  static void pack(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* stage, float* dst) {
+  static void pack(const uint8_t* w, int64_t row_bytes, int64_t K, int nr, float* stage, float* dst, int pf_rows) {
     using F = Fmt<Q>;
     constexpr int QK = F::QK;
     const int64_t nb = K / QK;
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch_next_panel(w + b * F::BYTES, row_bytes, NR, pf_rows);
       for (int r0 = 0; r0 < NR; r0 += 4) {
         const int rows = std::clamp(nr - r0, 0, 4);
         auto decode = [&](int r) {

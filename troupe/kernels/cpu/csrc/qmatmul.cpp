@@ -187,7 +187,7 @@ constexpr int64_t ROWS_MAX_M = 4;  // rows of x per pass of the rows path over t
 // 48: 0.46 / 0.70 / 0.93 / 1.00 / 1.09 of the panel's time). With AVX2 (Xeon, session 4) two passes of 4
 // rows did not pay (M = 5 / 6 / 8: 1.00 / 1.18 / 0.92 of the panel's time): the panel from 5 rows.
 #if defined(__AVX512F__)
-constexpr int64_t ROWS_PATH_MAX_M = 32;
+constexpr int64_t ROWS_PATH_MAX_M = 12;
 #else
 constexpr int64_t ROWS_PATH_MAX_M = 4;
 #endif
