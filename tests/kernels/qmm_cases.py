@@ -183,12 +183,17 @@ def check_q8(qtype: QType) -> None:
                 assert err < 1e-5, f"{qtype.name} N={n} M={m} {name}: rel err {err:.1e} against the rounded x"
                 err = rel_err(got, x.double() @ ref.T + bias.double())
                 assert 1e-6 < err < 0.02, f"{qtype.name} N={n} M={m} {name}: q8 error {err:.1e} out of bounds"
-            # by M: one of the integer paths' results, or the exact float path's (formats without a GEMM)
+            # by M: the result of the kernel `q8_path` names (-1 the exact float path), whose choice
+            # follows the build's measured crossovers
             chosen = ops().linear_q8(x, w.data, int(qtype), bias, -1)
             exact = ops().linear(x, w.data, int(qtype), bias, -1)
-            assert any(torch.equal(chosen, o) for o in (*outs.values(), exact)), f"{qtype.name} M={m}: by M"
-            if m <= 3:  # decode sizes take the float rows path (faster there on both ISAs): exact
-                assert torch.equal(chosen, exact), f"{qtype.name} M={m}: a decode-sized call is not the float path"
+            path = ops().q8_path(int(qtype), m)
+            assert torch.equal(chosen, exact if path < 0 else outs[path]), f"{qtype.name} M={m}: by M, path {path}"
+            # both ISAs' rules (qmatmul_q8.cpp): one row never pays for unpacking the GEMM's tiles; from 5
+            # rows a format with the GEMM takes it (Q6_K has none; Q8_0 has it only with VNNI)
+            assert m > 1 or path != 1, f"{qtype.name}: one row took the GEMM"
+            if m >= 5 and qtype not in (QType.Q6_K, QType.Q8_0):
+                assert path == 1, f"{qtype.name} M={m}: a batch took path {path}, not the GEMM"
         no_bias = ops().linear_q8(x, w.data, int(qtype), None, 1)
         assert rel_err(no_bias, reference_q8(x).double() @ ref.T) < 1e-5, f"{qtype.name}: GEMM without bias"
 

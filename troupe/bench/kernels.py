@@ -16,7 +16,10 @@ then the LM head: 121 calls on the default model, its ~96 MB of blocks streaming
 real step), at each M of `--rows` (default 1,2,4), taking turns round by round: the rows path (path 0) on
 the blocks where the cpu set keeps them (its huge-page weight arena), the same on a plain copy of them, and
 the former one-row-at-a-time kernel (path 2) on the plain copy (what main ran). It prints the median
-milliseconds per sequence and the ratio of the last to the first.
+milliseconds per sequence and the ratio of the last to the first. `--paths` names the candidates instead,
+all on the arena's blocks, so that a by-M crossover is measured where it is used: `auto` (the float
+projection chosen by M), `rows`, `panel` (the panel GEMM), `former-panel` (the dot-product panel kernel),
+and with 8-bit activations `q8-auto`, `q8-rows`, `q8-gemm`; each column's ratio is to the first.
 
 `--isa both` runs the whole table twice: for this CPU's build, then in a subprocess for the AVX2/FMA
 baseline, with MKL, oneDNN and ATen held to AVX2 as well (`troupe.bench.peers.AVX2_ENV`, as in `troupe
@@ -121,7 +124,13 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                           f"{flops / t / 1e9:.0f} | {med['eager'] * 1e6:.0f} | {med['eager'] / t:.2f} |", flush=True)
 
 
-def run_model_order(model: str | None, rows: Sequence[int], repeats: int) -> None:
+# `--paths` names: (op, forced path) of troupe_qmm's float projection and its 8-bit activation variant
+MODEL_ORDER_PATHS = {"auto": ("linear", -1), "rows": ("linear", 0), "panel": ("linear", 1),
+                     "former-panel": ("linear", 3), "q8-auto": ("linear_q8", -1), "q8-rows": ("linear_q8", 0),
+                     "q8-gemm": ("linear_q8", 1)}
+
+
+def run_model_order(model: str | None, rows: Sequence[int], repeats: int, paths: Sequence[str] = ()) -> None:
     import torch
 
     from troupe.kernels.cpu import CpuKernels
@@ -142,6 +151,9 @@ def run_model_order(model: str | None, rows: Sequence[int], repeats: int) -> Non
     print(f"# {path.name}: {len(calls)} projections, {nbytes / 1e6:.1f} MB of blocks; build: {isa()}; threads: "
           f"{torch.get_num_threads()}; medians of {repeats} rounds, paths taking turns; "
           f"load average {os.getloadavg()[0]:.1f}")
+    if paths:
+        _model_order_paths(calls, widths, rows, repeats, paths)
+        return
     plain = [(d.clone(), q, b) for d, q, b in calls]  # the blocks in ordinary (4 KiB-page) memory, as on main
     print("| M | rows path, arena ms | rows path, plain memory ms | former rows path, plain memory ms | "
           "x former | GB/s |")
@@ -173,6 +185,37 @@ def run_model_order(model: str | None, rows: Sequence[int], repeats: int) -> Non
               f"{med['former plain'] / new:.2f} | {nbytes / new / 1e9:.1f} |", flush=True)
 
 
+def _model_order_paths(calls: Sequence[tuple[torch.Tensor, int, torch.Tensor | None]], widths: Sequence[int],
+                       rows: Sequence[int], repeats: int, paths: Sequence[str]) -> None:
+    """Times the model-order sequence once per named path (`MODEL_ORDER_PATHS`), taking turns round by round."""
+    import torch
+
+    print("| M | " + " | ".join(f"{n} ms" for n in paths) + " | " + " | ".join(f"{n} / {paths[0]}" for n in paths[1:])
+          + " |")
+    print("|---|" + "---|" * (2 * len(paths) - 1))
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in widths}
+        ins = [(xs[_width(d, q)], d, q, b) for d, q, b in calls]
+
+        def sequence(name: str, ins: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = ins) -> float:
+            op, forced = MODEL_ORDER_PATHS[name]
+            fn = getattr(torch.ops.troupe_qmm, op)
+            t = time.perf_counter()
+            for x, d, q, b in ins:
+                fn(x, d, q, b, forced)
+            return time.perf_counter() - t
+
+        for name in paths:
+            sequence(name)  # warm-up
+        times: dict[str, list[float]] = {n: [] for n in paths}
+        for _ in range(repeats):
+            for name, ts in times.items():
+                ts.append(sequence(name))
+        med = [statistics.median(times[n]) for n in paths]
+        print(f"| {m} | " + " | ".join(f"{t * 1e3:.2f}" for t in med) + " | "
+              + " | ".join(f"{t / med[0]:.2f}" for t in med[1:]) + " |", flush=True)
+
+
 def _width(data: torch.Tensor, qtype: int) -> int:
     """K of a weight of (N, row_bytes) blocks in format `qtype`."""
     from troupe.kernels.quant import QType
@@ -196,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-order", action="store_true",
                    help="time one decode step's projections of a real model in model order (see above)")
     p.add_argument("--model", default=None, help="with --model-order: a GGUF file (default: the default model)")
+    p.add_argument("--paths", default="", help=f"with --model-order: comma-separated candidates, of "
+                   f"{', '.join(MODEL_ORDER_PATHS)} (see above)")
     args = p.parse_args(argv)
     # names as the user may type them (q4_1 for Q4_1); anything else is refused here, naming the choices
     from troupe.kernels.quant import QType
@@ -207,12 +252,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad_shapes = [s for s in args.shapes.split(",") if s not in SHAPES]
     if bad_shapes:
         p.error(f"--shapes: unknown {', '.join(bad_shapes)}; choose from {', '.join(SHAPES)}")
+    bad_paths = [n for n in args.paths.split(",") if n and n not in MODEL_ORDER_PATHS]
+    if bad_paths:
+        p.error(f"--paths: unknown {', '.join(bad_paths)}; choose from {', '.join(MODEL_ORDER_PATHS)}")
+    if args.paths and not args.model_order:
+        p.error("--paths: only with --model-order")
     if args.model_order and args.rows == ROWS_DEFAULT:
         args.rows = "1,2,4"
     if args.isa in ("native", "both"):
         _run_here(args)
     if args.isa in ("avx2", "both"):  # a fresh process: the ISA is chosen when the library loads
         child = [*(["--model-order"] if args.model_order else []), *(["--model", args.model] if args.model else []),
+                 *(["--paths", args.paths] if args.paths else []),
                  "--formats", args.formats, "--rows", args.rows, "--shapes", args.shapes, "--repeats",
                  str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
                  *(["--q8"] if args.q8 else []), *(["--former-panel"] if args.former_panel else []),
@@ -230,7 +281,8 @@ def _run_here(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.threads)
     if args.model_order:
-        run_model_order(args.model, [int(r) for r in args.rows.split(",")], args.repeats)
+        run_model_order(args.model, [int(r) for r in args.rows.split(",")], args.repeats,
+                        [n for n in args.paths.split(",") if n])
         return
     run(args.formats.split(","), [int(r) for r in args.rows.split(",")], args.repeats, args.q8,
         args.shapes.split(","), args.former_panel)

@@ -49,14 +49,6 @@ constexpr bool gemm_supported() {
   return Q != Q6_K && (G_VNNI || 2 * gemm_umax<Q>() * 127 <= 32767);
 }
 
-// The smallest M the GEMM takes when chosen by M (measured crossovers, both ISAs, docs/kernels.md): from 2
-// rows for the formats with a transposing unpack (Q4_0, Q4_1, Q8_0); the K-quants unpack row by row,
-// which costs as much as the rows kernel's work up to 3 rows.
-template <int Q>
-constexpr int64_t gemm_min_m() {
-  return Q == Q4_0 || Q == Q4_1 || Q == Q8_0 ? 2 : 4;
-}
-
 // Unpack weight rows [n0, n0 + GL) (rows >= N: zeros) into group scratch: bytes (C x 8 vectors) and a, b
 // (C x GL floats each); tmp: GL x K bytes of row-major staging.
 template <int Q>

@@ -193,12 +193,14 @@ constexpr int64_t ROWS_PATH_MAX_M = 4;
 #endif
 // Up to this M the by-M choice takes the former panel kernel (path 3) over the panel GEMM. AVX-512: never
 // (the GEMM's 4-k packing is cheap enough from 9 rows). AVX2: its 8 x 8 transposes make packing the larger
-// cost up to ~64 rows, where the former kernel's row-major decode wins (measured in the same runs,
-// docs/kernels.md: the GEMM at 0.77-0.93 of its speed at M = 16..32, level at 64, ahead from 256).
+// cost at small M, where the former kernel's row-major decode wins. The AMD EPYC AVX2 machine (the one
+// the targets are set on), in model order, 2 threads: the GEMM at 1.09 / 1.00 / 1.00 / 0.91 / 0.83 / 0.79
+// of the former kernel's time at M = 12 / 16 / 20 / 24 / 40 / 64 (docs/kernels.md; a Xeon had put the
+// crossover near 64 on single shapes).
 #if defined(__AVX512F__)
 constexpr int64_t FORMER_PANEL_MAX_M = 0;
 #else
-constexpr int64_t FORMER_PANEL_MAX_M = 64;
+constexpr int64_t FORMER_PANEL_MAX_M = 20;
 #endif
 
 at::Tensor qmatmul_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {

@@ -1,10 +1,11 @@
 // The "gguf-q8" projection: x quantized to 8 bits per 32-value chunk (each row once per call), integer dot
 // products with the weight blocks (quant_q8.h has the formats and the arithmetic). Two kernels:
-// - the tiled GEMM (q8_gemm.h), from gemm_min_m rows (2, K-quants 4): weight tiles unpacked to bytes once
+// - the tiled GEMM (q8_gemm.h), for batches (by M: see qmatmul_linear_q8): weight tiles unpacked to bytes once
 //   per call, register-blocked integer dot products; every format but Q6_K (per-16 scales), and Q8_0 only
 //   where the CPU has VNNI;
-// - the rows kernel (below), for fewer rows and Q6_K up to Q8_MAX_M rows: each weight block decoded to
-//   bytes once per group of up to 4 rows of x and multiplied into all of them; N split across threads.
+// - the rows kernel (below), for fewer rows, and formats without the GEMM up to Q8_MAX_M rows: each weight
+//   block decoded to bytes once per group of up to 4 rows of x and multiplied into all of them; N split
+//   across threads.
 // Anything else (Q6_K batches, Q8_0 batches without VNNI, the float formats F32/F16/BF16) takes the
 // output-exact float path (qmatmul.cpp). docs/kernels.md has the measured crossovers.
 #include <ATen/Parallel.h>
@@ -26,12 +27,19 @@ namespace {
 using namespace troupe_quant;
 
 constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
+// The by-M choice (measured in model order, 2 threads; docs/kernels.md). AVX-512: the float rows path up
+// to 4 rows (its in-register lookup decode streams the weights faster than either integer kernel there,
+// and is exact), then the GEMM. AVX2 (AMD EPYC, AVX-512 absent): the float decode costs more than the
+// integer one at every M, so the rows kernel takes 1-2 rows (the default model at M = 1: 0.83 of the
+// float rows path's time, Q4_K 0.60), the GEMM from 3; formats without the GEMM the rows kernel up to 4.
 #if defined(__AVX512F__)
-constexpr int64_t Q8_MAX_M = 2;  // the rows kernel up to this M (measured crossover)
-constexpr int64_t FLOAT_ROWS_MAX_M = 4;  // by M: the float rows path up to this M (faster, and exact)
+constexpr int64_t FLOAT_ROWS_MAX_M = 4;  // the float rows path up to this M
+constexpr int64_t Q8_ROWS_FIRST_M = 0;  // the rows kernel up to this M, before the GEMM
+constexpr int64_t Q8_MAX_M = 2;  // formats without the GEMM: the rows kernel up to this M
 #else
+constexpr int64_t FLOAT_ROWS_MAX_M = 0;
+constexpr int64_t Q8_ROWS_FIRST_M = 2;
 constexpr int64_t Q8_MAX_M = 4;
-constexpr int64_t FLOAT_ROWS_MAX_M = 3;
 #endif
 
 inline float hsum8(__m256 v) {
@@ -141,22 +149,25 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
 
 }  // namespace
 
-// The projection with 8-bit activations; `path` -1: by M (up to FLOAT_ROWS_MAX_M rows the float rows path,
-// whose multi-row kernel (qmatmul_rows.h) streams the weights faster than either integer kernel at decode
-// sizes, measured in model order on both ISAs; then the tiled GEMM from gemm_min_m rows where the format
-// has one, else the rows kernel up to Q8_MAX_M rows, else the float path; float formats: the float path),
-// 0: the rows kernel whatever M, 1: the GEMM whatever M (a format without one: the rows kernel) (tests).
+// The kernel the by-M choice takes for M rows of format qtype: -1 the output-exact float path, 0 the rows
+// kernel, 1 the GEMM. Up to FLOAT_ROWS_MAX_M rows the float rows path, then up to Q8_ROWS_FIRST_M the rows
+// kernel, then the GEMM where the format has one, else the rows kernel up to Q8_MAX_M rows, else the
+// float path; the float formats: the float path.
+int64_t q8_path(int64_t qtype, int64_t M) {
+  bool gemm = false;
+  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
+  if (!integer || M <= FLOAT_ROWS_MAX_M) return -1;
+  return M <= Q8_ROWS_FIRST_M ? 0 : gemm ? 1 : (M <= Q8_MAX_M ? 0 : -1);
+}
+
+// The projection with 8-bit activations; `path` -1: by M (q8_path), 0: the rows kernel whatever M, 1: the
+// GEMM whatever M (a format without one: the rows kernel) (tests).
 at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                              int64_t path) {
   bool gemm = false;
-  int64_t gemm_from = 0;
-  const bool integer = dispatch_q8(qtype, [&](auto q) {
-    gemm = gemm_supported<decltype(q)::value>();
-    gemm_from = gemm_min_m<decltype(q)::value>();
-  });
+  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
-  if (path < 0 && M <= FLOAT_ROWS_MAX_M) return qmatmul_linear(x, w, qtype, bias, -1);
-  if (path < 0) path = gemm && M >= gemm_from ? 1 : (M <= Q8_MAX_M ? 0 : -1);
+  if (path < 0) path = q8_path(qtype, M);
   if (!integer || path < 0) return qmatmul_linear(x, w, qtype, bias, -1);
   at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
   const int64_t K = x.size(1), N = w.size(0), nc = K / 32;
@@ -203,4 +214,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qmatmul_quantize_q8(const at::Ten
 TORCH_LIBRARY_FRAGMENT(troupe_qmm, m) {
   m.def("linear_q8(Tensor x, Tensor w, int qtype, Tensor? bias, int path) -> Tensor", &qmatmul_linear_q8);
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &qmatmul_quantize_q8);
+  m.def("q8_path(int qtype, int m) -> int", &q8_path);
 }
