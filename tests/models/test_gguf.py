@@ -117,10 +117,10 @@ def test_gguf_weights_stay_in_blocks(tiny: dict[str, tuple[Path, Path]]) -> None
 @pytest.mark.parametrize("variant", ["llama-Q4_1-untied-F32-head", "llama-Q8_0", "llama-kquants-mixed"])
 def test_q8_activations_stay_close(variant: str, tiny: dict[str, tuple[Path, Path]]) -> None:
     """quantization="gguf-q8" quantizes the activations (the tiled integer GEMM for batches; Q6_K batches,
-    and Q8_0 batches without VNNI, stay on the float path): the whole prefill batch (23 tokens) stays within a few percent of
-    transformers' logits, with the same top token wherever transformers' leads its runner-up by more than
-    twice the largest logit error (the tiny random models have near ties elsewhere), but is not the exact
-    result. A two-token step: on AVX-512 builds the float rows path (faster there than the integer
+    and Q8_0 batches without VNNI, stay on the float path): the whole prefill batch (23 tokens) stays
+    within a few percent of transformers' logits, with the same top token wherever transformers' leads its
+    runner-up by more than twice the largest logit error (the tiny random models have near ties
+    elsewhere), and is not the exact result where it is quantized. A two-token step: on AVX-512 builds the float rows path (faster there than the integer
     kernels), equal to the output-exact mode bit for bit; on AVX2 builds the integer rows kernel, close."""
     gguf_path, hf = tiny[variant]
     two = [PROMPTS[0][:2]]

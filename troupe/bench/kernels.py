@@ -167,19 +167,8 @@ def run_model_order(model: str | None, rows: Sequence[int], repeats: int, paths:
             "former plain": (2, [(xs[_width(d, q)], d, q, b) for d, q, b in plain]),
         }
 
-        def sequence(path: int, ins: list[Call]) -> float:
-            t = time.perf_counter()
-            for x, d, q, b in ins:
-                linear(x, d, q, b, path)
-            return time.perf_counter() - t
-
-        times: dict[str, list[float]] = {c: [] for c in cands}
-        for kernel_path, ins in cands.values():
-            sequence(kernel_path, ins)  # warm-up
-        for _ in range(repeats):
-            for name, ts in times.items():
-                ts.append(sequence(*cands[name]))
-        med = {c: statistics.median(ts) for c, ts in times.items()}
+        med = _taking_turns({c: functools.partial(_sequence, linear, path, ins) for c, (path, ins) in cands.items()},
+                            repeats)
         new = med["new"]
         print(f"| {m} | {new * 1e3:.2f} | {med['new plain'] * 1e3:.2f} | {med['former plain'] * 1e3:.2f} | "
               f"{med['former plain'] / new:.2f} | {nbytes / new / 1e9:.1f} |", flush=True)
@@ -196,24 +185,33 @@ def _model_order_paths(calls: Sequence[tuple[torch.Tensor, int, torch.Tensor | N
     for m in rows:
         xs = {k: torch.randn(m, k) for k in widths}
         ins = [(xs[_width(d, q)], d, q, b) for d, q, b in calls]
-
-        def sequence(name: str, ins: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]] = ins) -> float:
-            op, forced = MODEL_ORDER_PATHS[name]
-            fn = getattr(torch.ops.troupe_qmm, op)
-            t = time.perf_counter()
-            for x, d, q, b in ins:
-                fn(x, d, q, b, forced)
-            return time.perf_counter() - t
-
-        for name in paths:
-            sequence(name)  # warm-up
-        times: dict[str, list[float]] = {n: [] for n in paths}
-        for _ in range(repeats):
-            for name, ts in times.items():
-                ts.append(sequence(name))
-        med = [statistics.median(times[n]) for n in paths]
+        fns = {n: (getattr(torch.ops.troupe_qmm, MODEL_ORDER_PATHS[n][0]), MODEL_ORDER_PATHS[n][1]) for n in paths}
+        by_name = _taking_turns({n: functools.partial(_sequence, fn, forced, ins) for n, (fn, forced) in fns.items()},
+                                repeats)
+        med = [by_name[n] for n in paths]
         print(f"| {m} | " + " | ".join(f"{t * 1e3:.2f}" for t in med) + " | "
               + " | ".join(f"{t / med[0]:.2f}" for t in med[1:]) + " |", flush=True)
+
+
+def _sequence(fn: Callable[..., object], path: int,
+              ins: Sequence[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]) -> float:
+    """Seconds for one model-order pass: `fn(x, blocks, format, bias, path)` over every projection."""
+    t = time.perf_counter()
+    for x, d, q, b in ins:
+        fn(x, d, q, b, path)
+    return time.perf_counter() - t
+
+
+def _taking_turns(cands: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Each candidate's median over `repeats` rounds, one warm-up call first, the candidates taking turns
+    within a round so that each sees the same machine load."""
+    for sample in cands.values():
+        sample()
+    times: dict[str, list[float]] = {c: [] for c in cands}
+    for _ in range(repeats):
+        for c, sample in cands.items():
+            times[c].append(sample())
+    return {c: statistics.median(ts) for c, ts in times.items()}
 
 
 def _width(data: torch.Tensor, qtype: int) -> int:

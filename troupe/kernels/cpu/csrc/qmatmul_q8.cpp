@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 
 #include "q8_gemm.h"
 #include "quant_q8.h"
@@ -35,7 +36,7 @@ constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
 #if defined(__AVX512F__)
 constexpr int64_t FLOAT_ROWS_MAX_M = 4;  // the float rows path up to this M
 constexpr int64_t Q8_ROWS_FIRST_M = 0;  // the rows kernel up to this M, before the GEMM
-constexpr int64_t Q8_MAX_M = 2;  // formats without the GEMM: the rows kernel up to this M
+constexpr int64_t Q8_MAX_M = 0;  // formats without the GEMM: the rows kernel up to this M (here never)
 #else
 constexpr int64_t FLOAT_ROWS_MAX_M = 0;
 constexpr int64_t Q8_ROWS_FIRST_M = 2;
@@ -147,27 +148,37 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
   });
 }
 
-}  // namespace
-
-// The kernel the by-M choice takes for M rows of format qtype: -1 the output-exact float path, 0 the rows
-// kernel, 1 the GEMM. Up to FLOAT_ROWS_MAX_M rows the float rows path, then up to Q8_ROWS_FIRST_M the rows
-// kernel, then the GEMM where the format has one, else the rows kernel up to Q8_MAX_M rows, else the
-// float path; the float formats: the float path.
-int64_t q8_path(int64_t qtype, int64_t M) {
-  bool gemm = false;
-  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
+// The kernel the by-M choice takes for M rows: -1 the output-exact float path, 0 the rows kernel, 1 the
+// GEMM. Up to FLOAT_ROWS_MAX_M rows the float rows path, then up to Q8_ROWS_FIRST_M the rows kernel, then
+// the GEMM where the format has one, else the rows kernel up to Q8_MAX_M rows, else the float path; the
+// float formats (`integer` false: no integer kernels): the float path. `gemm`: the format has the GEMM here.
+int64_t path_by_m(bool integer, bool gemm, int64_t M) {
   if (!integer || M <= FLOAT_ROWS_MAX_M) return -1;
   return M <= Q8_ROWS_FIRST_M ? 0 : gemm ? 1 : (M <= Q8_MAX_M ? 0 : -1);
 }
 
-// The projection with 8-bit activations; `path` -1: by M (q8_path), 0: the rows kernel whatever M, 1: the
+// The format's (integer, gemm) on this build.
+std::pair<bool, bool> q8_kernels(int64_t qtype) {
+  bool gemm = false;
+  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
+  return {integer, gemm};
+}
+
+}  // namespace
+
+// The by-M choice for format qtype (path_by_m), for tests
+int64_t q8_path(int64_t qtype, int64_t M) {
+  const auto [integer, gemm] = q8_kernels(qtype);
+  return path_by_m(integer, gemm, M);
+}
+
+// The projection with 8-bit activations; `path` -1: by M (path_by_m), 0: the rows kernel whatever M, 1: the
 // GEMM whatever M (a format without one: the rows kernel) (tests).
 at::Tensor qmatmul_linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                              int64_t path) {
-  bool gemm = false;
-  const bool integer = dispatch_q8(qtype, [&](auto q) { gemm = gemm_supported<decltype(q)::value>(); });
+  const auto [integer, gemm] = q8_kernels(qtype);
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
-  if (path < 0) path = q8_path(qtype, M);
+  if (path < 0) path = path_by_m(integer, gemm, M);
   if (!integer || path < 0) return qmatmul_linear(x, w, qtype, bias, -1);
   at::Tensor out = qmatmul_linear(x.narrow(0, 0, 0), w, qtype, bias, -1);  // checks the arguments
   const int64_t K = x.size(1), N = w.size(0), nc = K / 32;
