@@ -26,7 +26,7 @@ inline GF g_set1(float v) { return _mm512_set1_ps(v); }
 inline GF g_zerof() { return _mm512_setzero_ps(); }
 inline GI g_zeroi() { return _mm512_setzero_si512(); }
 inline GI g_maddubs(GI u, GI q) { return _mm512_maddubs_epi16(u, q); }
-inline GI g_add16(GI a, GI b) { return _mm512_add_epi16(a, b); }
+inline GI g_add16(GI a, GI b) { return _mm512_adds_epi16(a, b); }  // saturating: see the AVX2 one
 inline GI g_add32(GI a, GI b) { return _mm512_add_epi32(a, b); }
 inline GI g_madd1(GI a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
 #if defined(__AVX512VNNI__)
@@ -105,7 +105,11 @@ inline GF g_set1(float v) { return _mm256_set1_ps(v); }
 inline GF g_zerof() { return _mm256_setzero_ps(); }
 inline GI g_zeroi() { return _mm256_setzero_si256(); }
 inline GI g_maddubs(GI u, GI q) { return _mm256_maddubs_epi16(u, q); }
-inline GI g_add16(GI a, GI b) { return _mm256_add_epi16(a, b); }
+// Saturating adds of the int16 pair sums: exact, since the GEMM sums only as many steps as cannot overflow
+// (q8_gemm.h's STEP), but unlike plain adds not reassociable, so GCC keeps the sums a chain per row instead
+// of a tree of all the steps' products first, whose extra live registers spilled the float accumulators
+// to the stack (the AVX2 GEMM on Q4_1: 205 -> 283 GOP/s at M = 256, 2 threads; docs/kernels.md).
+inline GI g_add16(GI a, GI b) { return _mm256_adds_epi16(a, b); }
 inline GI g_add32(GI a, GI b) { return _mm256_add_epi32(a, b); }
 inline GI g_madd1(GI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 #if defined(__AVXVNNI__)
