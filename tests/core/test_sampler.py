@@ -28,9 +28,10 @@ def test_greedy_is_argmax() -> None:
 def test_row_argmax_matches_torch(width: int, kind: str) -> None:
     """The chunked argmax of wide CPU rows returns torch's index for every row: the first maximum
     (ties across and inside chunks), the first NaN, row 0 of an all -inf row, a tail past the last
-    whole chunk, in batches of 1 and 64 (greedy rows of the real default-model vocabulary: 49152)."""
+    whole chunk, in batches of 2 and 64 (greedy rows of the real default-model vocabulary: 49152), and
+    for a single row (torch's own argmax there)."""
     g = torch.Generator().manual_seed(width)
-    for batch in (1, 64):
+    for batch in (1, 2, 64):
         x = torch.randn(batch, width, generator=g)
         if kind == "ties":
             x = x.round()
