@@ -1,5 +1,5 @@
-"""`python -m troupe.bench.step`: the per-part table of a decode step on a tiny GGUF, the engine left as it
-was (no request, no block, no wrapper) after each batch, `--llm` taking turns through the engine process,
+"""`python -m troupe.bench.step`: the per-part table of a decode step (and of a prompt's step) on a tiny
+GGUF, the engine left as it was (no request, no block, no wrapper) after each measurement, `--llm` taking turns through the engine process,
 and bad arguments refused naming the option."""
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ def _table(out: str) -> dict[str, dict[str, float]]:
 
 
 def test_each_batch_prints_every_part(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """One row per batch size; the step and its timed parts are measured (> 0), and the parts of the step
-    and of the forward run alone each add up to their whole."""
+    """One row per batch size (and with --prefill one for the prompt's step first); the step and its timed
+    parts are measured (> 0), and the parts of the step and of the forward run alone each add up to their
+    whole."""
     assert step.main(["--model", str(tiny_gguf), "--batches", "1,3", "--context", "20", "--steps", "3",
-                      "--repeats", "2", "--threads", "1"]) == 0
+                      "--repeats", "2", "--threads", "1", "--prefill"]) == 0
     rows = _table(capsys.readouterr().out)
-    assert list(rows) == ["1", "3"]
+    assert list(rows) == ["prefill 20", "1", "3"]
     for r in rows.values():
-        assert all(r[k] > 0 for k in ("step", "prepare", "forward", "head", "sampler", "forward alone"))
+        assert [k for k in ("step", "prepare", "forward", "head", "sampler", "forward alone") if not r[k] > 0] == []
         rest = r["step"] - r["prepare"] - r["forward"] - r["head"] - r["sampler"]
         assert r["engine rest"] == pytest.approx(rest, abs=0.02)  # 2-decimal rounding of five cells
         parts = r["projections"] + r["attention"] + r["other ops"]
@@ -48,8 +49,9 @@ def test_each_batch_prints_every_part(tiny_gguf: Path, capsys: pytest.CaptureFix
 
 
 def test_measure_leaves_the_engine_as_it_was(tiny_gguf: Path) -> None:
-    """After a batch: its requests are gone and their blocks free, and every timing wrapper and replaced
-    projection is removed, so the next batch (and the engine's own step) runs the real code."""
+    """After a batch of decodes and after the prompts' steps: the requests are gone and their blocks free,
+    and every timing wrapper and replaced projection is removed, so the next measurement (and the engine's
+    own step) runs the real code."""
     from troupe.config import EngineConfig
     from troupe.core.engine_core import EngineCore
 
@@ -61,6 +63,7 @@ def test_measure_leaves_the_engine_as_it_was(tiny_gguf: Path) -> None:
         free_blocks = core.kv.num_free_blocks
         result = step.measure(core, 2, 12, 2, 1)
         assert set(result) == set(step.PARTS)
+        assert set(step.measure_prefill(core, 12, 2)) == set(step.PARTS)
         assert not core.has_unfinished_requests()
         assert core.kv.num_free_blocks == free_blocks
         assert [getattr(layer, name) for name in step.PROJECTIONS] == projections

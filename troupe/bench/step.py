@@ -7,9 +7,12 @@ the calls, its parts: the kernel set's `prepare` (the step's flat tensors and me
 forward, the LM head (`compute_logits`) and the sampler. The rest of the step (scheduling, the logits
 rows, the output bookkeeping) is the step less those parts. After the round, the last step's batch is run
 again through prepare + forward alone three ways, taking turns: as it is; with every projection of the
-layers replaced by its output captured once (so they cost nothing); and with attention replaced too. The
-differences split the forward into its projections, its attention, and the rest (norms, rotary and KV
-write, SiLU x up, the embedding, the Python between the ops). The context grows by `--steps` a round.
+layers replaced by its output captured once (so they cost nothing); and with attention replaced too (and
+`prepare` alone, taken off all three). The differences split the forward into its projections, its
+attention, and the rest (norms, rotary and KV write, SiLU x up, the embedding, the Python between the ops). The context grows by `--steps` a round.
+
+`--prefill` adds a row for the step that prefills one fresh prompt of `--context` tokens alone (a new
+prompt each round; the step behind a single stream's TTFT), split the same way.
 
 `--llm` adds, for B = 1, the inter-token latency through `LLM` (the engine in its own process, the
 frontend in this one: `troupe bench`'s single-stream figure), one measurement after each bare round so
@@ -118,22 +121,67 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, seed:
             each_round: Callable[[], None] | None = None) -> dict[str, float]:
     """Median ms per decode step of each part in `PARTS` for `batch` sequences (see the module docstring);
     `each_round` runs after every round (another measurement taking turns with this one)."""
-    import torch
+    rnd = random.Random(seed)
+    ids = [f"bench-step-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        _add(core, rid, [rnd.randrange(core.runner.vocab_size) for _ in range(context)], steps * repeats + 8)
+    while sum(len(o.new_token_ids) for o in core.step().outputs) < batch:  # until every prompt is in
+        pass
 
+    def decode_round() -> tuple[list[float], Callable[[], None]]:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+        return times, lambda: None
+
+    try:
+        return _measure_rounds(core, decode_round, repeats, max(5, steps // 2), each_round)
+    finally:
+        core.abort_requests(ids)
+        core.step()  # publishes the aborts, frees the blocks
+
+
+def measure_prefill(core: Any, context: int, repeats: int, seed: int = 0) -> dict[str, float]:
+    """Median ms of each part in `PARTS` for the step that prefills one fresh prompt of `context` tokens (a
+    new prompt each round, in one step: `context` must fit `max_num_batched_tokens`), the TTFT's step."""
+    rnd = random.Random(seed + 1)
+    count = iter(range(repeats))
+
+    def prefill_round() -> tuple[list[float], Callable[[], None]]:
+        rid = f"bench-prefill-{next(count)}"
+        _add(core, rid, [rnd.randrange(core.runner.vocab_size) for _ in range(context)], 2)
+        start = time.perf_counter()
+        out = core.step()
+        elapsed = time.perf_counter() - start
+        assert [o.request_id for o in out.outputs if o.new_token_ids] == [rid], "the prompt took more than one step"
+
+        def done() -> None:  # after the forward's reruns, which still write into its blocks
+            core.abort_requests([rid])
+            core.step()
+
+        return [elapsed], done
+
+    return _measure_rounds(core, prefill_round, repeats, 5, None)
+
+
+def _add(core: Any, request_id: str, prompt: list[int], max_tokens: int) -> None:
     from troupe.messages import AddRequest
     from troupe.sampling_params import SamplingParams
 
-    rnd = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    core.add_request(AddRequest(request_id=request_id, prompt_token_ids=prompt, params=params, max_tokens=max_tokens))
+
+
+def _measure_rounds(core: Any, run_round: Callable[[], tuple[list[float], Callable[[], None]]], repeats: int,
+                    reruns: int, each_round: Callable[[], None] | None) -> dict[str, float]:
+    """`repeats` rounds of `run_round` (the step times of the round, and what to do once its last batch has
+    been run again) with the parts timed, then the last step's batch run again alone `reruns` times in the
+    three ways of the module docstring; the medians over the rounds of each part in `PARTS`."""
+    import torch
+
     runner, model = core.runner, core.runner.model
-    vocab = runner.vocab_size
-    max_tokens = steps * repeats + 8
-    for i in range(batch):
-        prompt = [rnd.randrange(vocab) for _ in range(context)]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        core.add_request(AddRequest(request_id=f"bench-step-{batch}-{i}", prompt_token_ids=prompt, params=params,
-                                    max_tokens=max_tokens))
-    while sum(len(o.new_token_ids) for o in core.step().outputs) < batch:  # until every prompt is in
-        pass
     last: list[Any] = []
     timers = _Timers()
     timers.wrap(runner.kernels, "prepare", "prepare")
@@ -151,11 +199,7 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, seed:
     try:
         for _ in range(repeats):
             timers.clear()
-            step_times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                core.step()
-                step_times.append(time.perf_counter() - start)
+            step_times, done = run_round()
             t = {name: _median_ms(v) for name, v in timers.times.items()}
             seqs = last[0]
 
@@ -164,25 +208,24 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, seed:
                 b = runner.kernels.prepare(seqs, runner.block_size)
                 model(b.input_ids, b.positions, runner.kv_caches, b.meta)
 
-            n = max(5, steps // 2)
-            whole = _time_calls(forward, n)
+            prep_alone = _time_calls(lambda seqs=seqs: runner.kernels.prepare(seqs, runner.block_size), reruns)
+            whole = _time_calls(forward, reruns)
             with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=False):
-                no_proj = _time_calls(forward, n)
+                no_proj = _time_calls(forward, reruns)
             with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=True):
-                no_proj_attn = _time_calls(forward, n)
+                no_proj_attn = _time_calls(forward, reruns)
+            done()
             prep, step = t["prepare"], _median_ms(step_times)
             parts = {"step": step, "prepare": prep, "forward": t["forward"], "head": t["head"],
                      "sampler": t["sampler"], "engine rest": step - prep - t["forward"] - t["head"] - t["sampler"],
-                     "forward alone": whole - prep, "projections": whole - no_proj,
-                     "attention": no_proj - no_proj_attn, "other ops": no_proj_attn - prep}
+                     "forward alone": whole - prep_alone, "projections": whole - no_proj,
+                     "attention": no_proj - no_proj_attn, "other ops": no_proj_attn - prep_alone}
             for name, value in parts.items():
                 rounds[name].append(value)
             if each_round is not None:
                 each_round()
     finally:  # the wrappers are instance attributes: deleting them shows the methods again
         del runner.execute, runner.kernels.prepare, model.forward, model.compute_logits, core.sampler.sample
-        core.abort_requests([f"bench-step-{batch}-{i}" for i in range(batch)])
-        core.step()  # publishes the aborts, frees the blocks
     return {p: statistics.median(v) for p, v in rounds.items()}
 
 
@@ -239,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
     p.add_argument("--llm", action="store_true", help="also B = 1's ITL through LLM (engine process)")
+    p.add_argument("--prefill", action="store_true", help="also the step that prefills one --context-token prompt")
     args = p.parse_args(argv)
     for name in ("context", "steps", "repeats"):
         if getattr(args, name) < 1:
@@ -250,12 +294,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     options: dict[str, Any] = dict(quantization=args.quantization, kernels=args.kernels, dtype="float32",
                                    enable_prefix_caching=False, num_threads=args.threads, log_stats_interval_s=None,
                                    max_num_seqs=max(args.batches),
+                                   max_num_batched_tokens=max(1024, args.context),
                                    max_model_len=args.context + args.steps * args.repeats + 16)
     core = EngineCore(EngineConfig(model=args.model, multiprocess=False, **options))
     llm = LlmItl(args.model, options, args.context, args.steps + 1) if args.llm and 1 in args.batches else None
     try:
-        results = {b: measure(core, b, args.context, args.steps, args.repeats,
-                              each_round=llm.round if llm is not None and b == 1 else None) for b in args.batches}
+        results: dict[str, dict[str, float]] = {}
+        if args.prefill:
+            results[f"prefill {args.context}"] = measure_prefill(core, args.context, args.repeats)
+        for b in args.batches:
+            results[str(b)] = measure(core, b, args.context, args.steps, args.repeats,
+                                      each_round=llm.round if llm is not None and b == 1 else None)
     finally:
         core.close()
         if llm is not None:
@@ -274,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("step = prepare + forward + head + sampler + engine rest; the step's batch run again by itself: "
           "forward alone = projections + attention + other ops")
     if itl is not None:
-        step = results[1]["step"]
+        step = results["1"]["step"]
         print(f"B = 1 through LLM (engine process + frontend, taking turns with the bare rounds): ITL {itl:.2f} ms, "
               f"{itl - step:+.2f} ms ({itl / step:.2f}x) against the bare step")
     return 0
