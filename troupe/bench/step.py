@@ -208,7 +208,10 @@ def _measure_rounds(core: Any, run_round: Callable[[], tuple[list[float], Callab
                 b = runner.kernels.prepare(seqs, runner.block_size)
                 model(b.input_ids, b.positions, runner.kv_caches, b.meta)
 
-            prep_alone = _time_calls(lambda seqs=seqs: runner.kernels.prepare(seqs, runner.block_size), reruns)
+            def prepare(seqs: Any = seqs) -> None:
+                runner.kernels.prepare(seqs, runner.block_size)
+
+            prep_alone = _time_calls(prepare, reruns)
             whole = _time_calls(forward, reruns)
             with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=False):
                 no_proj = _time_calls(forward, reruns)
