@@ -86,28 +86,27 @@ def _free(model: Any, kernels: Any, seqs: Any, block_size: int, kv: Any, attenti
     this batch, restored on leaving."""
     import torch
 
-    saved: list[tuple[Any, str, Any]] = []
-    with torch.inference_mode():
-        batch = kernels.prepare(seqs, block_size)
-        captured: dict[tuple[int, str], torch.Tensor] = {}
-        for i, layer in enumerate(model.layers):
-            for name in PROJECTIONS:
-                op = getattr(layer, name)
-
-                def capture(x: torch.Tensor, op: Any = op, key: tuple[int, str] = (i, name)) -> torch.Tensor:
-                    captured[key] = out = op(x)
-                    return out
-
-                setattr(layer, name, capture)
-                saved.append((layer, name, op))
-        model(batch.input_ids, batch.positions, kv, batch.meta)
-        for layer, name, _ in saved:
-            out = captured[(layer.index, name)]
-            setattr(layer, name, lambda x, out=out: out)
-        if attention:
-            saved.append((kernels, "attention", kernels.attention))
-            kernels.attention = lambda q, *args: q
+    saved: list[tuple[Any, str, Any]] = []  # restored on leaving, a failed capture included
     try:
+        with torch.inference_mode():
+            batch = kernels.prepare(seqs, block_size)
+            captured: dict[tuple[Any, str], torch.Tensor] = {}
+            for layer in model.layers:
+                for name in PROJECTIONS:
+                    op = getattr(layer, name)
+
+                    def capture(x: torch.Tensor, op: Any = op, key: tuple[Any, str] = (layer, name)) -> torch.Tensor:
+                        captured[key] = out = op(x)
+                        return out
+
+                    setattr(layer, name, capture)
+                    saved.append((layer, name, op))
+            model(batch.input_ids, batch.positions, kv, batch.meta)
+            for layer, name, _ in saved:
+                setattr(layer, name, lambda x, out=captured[(layer, name)]: out)
+            if attention:
+                saved.append((kernels, "attention", None))
+                kernels.attention = lambda q, *args: q
         yield
     finally:
         for obj, name, op in reversed(saved):

@@ -272,8 +272,7 @@ def flatten_step(seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
         ids += s.token_ids
         span = range(s.start_pos, end)
         positions += span
-        table = s.block_ids
-        slots += [table[p // bs] * bs + p % bs for p in span]
+        slots += [s.block_ids[p // bs] * bs + p % bs for p in span]
         starts.append(len(ids))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),  # (T,)
