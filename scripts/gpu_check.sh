@@ -104,7 +104,7 @@ part1() {
 bench() {  # NAME ARGS...
   local name=$1; shift
   stage "bench-$name" "$BENCH_LIMIT" "python3 -m troupe.bench.offline --device cuda --num-prompts 256 --max-tokens 128 \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch-sizes 64,256 --skip-core $* | tee $OUT/bench_$name.txt"
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --hf-batch-sizes 64,256 --skip-core --repeats 3 $* | tee $OUT/bench_$name.txt"
 }
 
 part2() {
@@ -114,8 +114,8 @@ part2() {
   stage default-model 60 "python3 -c 'from troupe.models.default_model import ensure_default_model as e; print(e())'"
   [ -f /tmp/troupe-gpu-part1-done ] || stage kernel-gpu-tests 150 "$PYTEST tests/kernels/test_cuda_gpu.py"
   stage engine-gpu-tests 170 "$PYTEST tests/kernels/test_cuda_engine_gpu.py"
-  BENCH_LIMIT=130 bench smollm2 --itl --itl-tokens 256
-  BENCH_LIMIT=140 bench llama1b --random-model 1b
+  BENCH_LIMIT=150 bench smollm2 --itl --itl-tokens 256
+  BENCH_LIMIT=150 bench llama1b --random-model 1b
   summary
 }
 

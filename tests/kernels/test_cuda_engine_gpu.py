@@ -214,6 +214,7 @@ def test_default_model_greedy_equals_transformers_in_float32() -> None:
 
     from troupe.core.engine_core import EngineCore
     from troupe.messages import AddRequest
+    from troupe.models.default_model import ensure_default_model
     from troupe.models.loader import load_tokenizer, resolve_model_path
     from troupe.sampling_params import SamplingParams
 
@@ -236,7 +237,7 @@ def test_default_model_greedy_equals_transformers_in_float32() -> None:
     del core
     gc.collect()
     torch.cuda.empty_cache()
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), local_files_only=True,
+    hf = AutoModelForCausalLM.from_pretrained(ensure_default_model(), local_files_only=True,
                                               dtype=torch.float32).cuda().eval()
     exact = 0
     with torch.inference_mode():

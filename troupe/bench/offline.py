@@ -14,6 +14,11 @@ process); without `--skip-core`, also a bare `EngineCore` loop in this process.
 default model (`1b`: hidden 2048, 16 layers, 32 heads / 8 kv heads, ffn 8192, the default model's
 49152-token vocabulary); `--itl` adds single-stream inter-token latency (one request of `--itl-tokens`,
 troupe's from its request metrics, transformers' batch-1 `generate` as the baseline).
+
+`--warmup-rounds` (default: 1 on the GPU, 0 on the CPU) runs whole rounds of both sides first, unmeasured:
+on an H200 a first round ran 2.5-3x slower than the next ones on both sides (troupe: Triton compiling the
+kernel variants of its first large prefill steps; transformers: its first batches at each shape), which a
+single measured round would count as throughput.
 """
 
 from __future__ import annotations
@@ -250,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup-rounds", type=int, default=None,
+                   help="unmeasured rounds of both sides first (default: 1 on the GPU, 0 on the CPU)")
     p.add_argument("--hf-batch-sizes", default="16,64")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-core", action="store_true", help="skip the bare EngineCore loop (quicker)")
@@ -273,14 +280,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.random_model:
-        import tempfile
+    if args.warmup_rounds is None:
+        args.warmup_rounds = 1 if args.device == "cuda" else 0
+    if args.repeats < 1 or args.warmup_rounds < 0:
+        p.error(f"--repeats must be >= 1 and --warmup-rounds >= 0, got {args.repeats} and {args.warmup_rounds}")
+    if not args.random_model:
+        return run(args)
+    import tempfile
 
-        scratch = tempfile.TemporaryDirectory(prefix="troupe-bench-model-")
+    with tempfile.TemporaryDirectory(prefix="troupe-bench-model-") as scratch:  # removed however the run ends
         t0 = time.perf_counter()
-        args.model = random_model(args.random_model, args.dtype, scratch.name, device=args.device)
+        args.model = random_model(args.random_model, args.dtype, scratch, device=args.device)
         print(f"  random model {args.random_model} written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        return run(args)
 
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark itself, on the parsed `args` (with `--random-model`, `args.model` is already its folder)."""
     from troupe import LLM
 
     t0 = time.perf_counter()
@@ -293,23 +309,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     frontend_rss = None
     hf: HFRunner | None = None
     try:
-        if args.device == "cuda":  # first calls (Triton's compiles, cuBLAS set-up) out of the measured runs
-            troupe_run(llm, prompts[:16], 4)
-        for r in range(args.repeats):  # troupe and transformers take turns, so each round sees the same load
-            runs["troupe"].append(troupe_run(llm, prompts, args.max_tokens))
+        for r in range(-args.warmup_rounds, args.repeats):  # troupe and transformers take turns, so each
+            # round sees the same load; rounds < 0 warm both up (compiles, first shapes) and are not counted
+            tok_s = {"troupe": troupe_run(llm, prompts, args.max_tokens)}
             if frontend_rss is None:
                 frontend_rss = peak_rss_gib()  # before transformers' model is loaded into this process
             if sizes and hf is None:
                 hf = HFRunner(args)
-                if args.device == "cuda":
-                    hf.generate(hf.prompts[:max(sizes)], 4)
             for bs in sizes:
                 assert hf is not None
-                runs[f"hf{bs}"].append(hf.run(bs))
-            line = " ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items())
+                tok_s[f"hf{bs}"] = hf.run(bs)
+            line = " ".join(f"{k} {v:.1f}" for k, v in tok_s.items())
             if sizes:
-                ratios.append(runs["troupe"][-1] / max(runs[f"hf{bs}"][-1] for bs in sizes))
-                line += f" -> {ratios[-1]:.2f}x"
+                ratio = tok_s["troupe"] / max(tok_s[f"hf{bs}"] for bs in sizes)
+                line += f" -> {ratio:.2f}x"
+            if r < 0:
+                print(f"  warm-up round (not counted): {line} (output tok/s)", file=sys.stderr, flush=True)
+                continue
+            for k, v in tok_s.items():
+                runs[k].append(v)
+            if sizes:
+                ratios.append(ratio)
             print(f"  round {r}: {line} (output tok/s)", file=sys.stderr, flush=True)
         if args.itl:
             prompt = prompts[0][:64]
@@ -325,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"engine: {'its own process' if args.multiprocess else 'in-process'}; device {args.device} "
           f"({gpu_name(args.device)}), dtype {args.dtype}, model {args.random_model or args.model}, "
-          f"{args.num_prompts} prompts x {args.max_tokens} tokens; medians of {args.repeats} alternating round(s)")
+          f"{args.num_prompts} prompts x {args.max_tokens} tokens; medians of {args.repeats} alternating round(s) "
+          f"after {args.warmup_rounds} warm-up round(s)")
     print(f"troupe start-up (constructor to ready): {startup:.2f} s")
     print(f"troupe peak memory (RSS):               {frontend_rss:.2f} GiB (this process)")
     if engine_rss is not None:
