@@ -160,6 +160,9 @@ class KVCacheManager:
         changing nothing, when the free queue is too short."""
         rid = req.request_id
         table = self._tables.get(rid)
+        if table is not None and not new_computed_blocks and \
+                req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return []  # the held blocks already cover the chunk (most decode steps): nothing to pop
         if new_computed_blocks:
             assert not table and req.num_computed_tokens == 0, "prefix hits are only taken at admission"
             assert num_new_computed_tokens == len(new_computed_blocks) * self.block_size

@@ -11,7 +11,8 @@ Shutdown: `EngineShutdown` from the frontend (the step in flight finishes, exit 
    covers a parent that died before the prctl).
 2. Connect and send `EngineHello`, before torch is imported.
 3. Build the EngineCore in a worker thread (torch threads: `num_threads`, else all cores); send
-   `EngineReady`, or `EngineStartupFailed` with the traceback and wait for `EngineShutdown`.
+   `EngineReady`, or `EngineStartupFailed` with the traceback and wait for `EngineShutdown`. What is
+   alive once it is built is frozen out of the cyclic collector while it serves (`startup_heap_frozen`).
 4. Serve: frontend messages go to the actor's inbox while the actor steps in a worker thread, so
    socket I/O and decoding overlap the model step and aborts never wait for a step. After the actor
    reported `EngineDead`, inputs are dropped and the process waits for `EngineShutdown` (exit 1).
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple, assert_never
 
 import anyio
@@ -212,7 +215,25 @@ async def _build_and_run(config: EngineConfig, engine_index: int, make_core: Mak
                     break
         return EXIT_FAILED
     await to_wire_send.send(ready_info(core, engine_index))
-    return await _run_engine(core, engine_index, to_wire_send, from_wire_recv)
+    with startup_heap_frozen():
+        return await _run_engine(core, engine_index, to_wire_send, from_wire_recv)
+
+
+@contextlib.contextmanager
+def startup_heap_frozen() -> Iterator[None]:
+    """Move every object alive now (imported modules, the model, the pool, the graphs) into the cyclic
+    collector's permanent generation until the block ends, after collecting what is garbage already.
+
+    They live as long as the engine, yet each full collection would scan them all: about 183k objects
+    and 80 ms in the default model's engine process, a stall of a whole step every time the step loop's
+    own survivors trigger one. Frozen, a full collection scans only what the loop made. Unfrozen on the
+    way out, so that a headless engine's next session can collect this one's garbage."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 async def _await_config(inbox: MemoryObjectReceiveStream[ToEngine], headless: _Headless) -> EngineConfig | None:
