@@ -4,6 +4,8 @@ choice. The real capture / replay and memory figures are covered by the GPU test
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -45,6 +47,26 @@ def test_eager_layout_matches_flatten_step() -> None:
         assert torch.equal(got.long(), want), (got, want)
     assert (m.max_query_len, m.max_seq_len, m.num_seqs, m.graph_size) == (6, 8, 3, 0)
     assert m.block_tables.dtype == torch.int32 and m.block_tables.is_contiguous()
+
+
+def test_eager_layout_matches_flatten_step_on_random_steps() -> None:
+    """Random mixed steps (1-8 sequences, chunks and decodes, tables with blocks past the step's need)
+    pack exactly what `flatten_step` computes, tables included."""
+    rng = random.Random(7)
+    buf = StepBuffers(max_tokens=256, max_seqs=8, max_blocks_per_seq=40, graph_rows=8, device=torch.device("cpu"))
+    for _ in range(200):
+        seqs = []
+        for i in range(rng.randint(1, 8)):
+            n, start = rng.choice([1, rng.randint(1, 30)]), rng.randint(0, 90)
+            blocks = -(-(start + n) // BS) + rng.randint(0, 2)
+            seqs.append(ScheduledSeq(f"s{i}", [rng.randrange(1000) for _ in range(n)], start,
+                                     rng.sample(range(1, 500), blocks), rng.random() < 0.8))
+        batch, ref = buf.fill(seqs, BS), flatten_step(seqs, BS)
+        assert batch is not None
+        assert torch.equal(batch.meta.block_tables.long(), ref.meta.block_tables)
+        assert torch.equal(batch.meta.slot_mapping, ref.meta.slot_mapping)
+        assert torch.equal(batch.positions, ref.positions) and torch.equal(batch.input_ids, ref.input_ids)
+        assert torch.equal(batch.logits_indices, ref.logits_indices)
 
 
 def test_graph_layout_pads_rows_at_fixed_offsets() -> None:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -278,7 +279,8 @@ def flatten_step(seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
         slot_mapping=torch.tensor(slots),  # (T,)
         query_start_loc=torch.tensor(starts),  # (S+1,)
         seq_lens=torch.tensor(seq_lens),  # (S,)
-        block_tables=torch.tensor(tables),  # (S, width)
+        block_tables=torch.from_numpy(np.array(tables, dtype=np.int64)),  # (S, width); torch.tensor on the
+        # nested list took 1.2 ms at 256 sequences, numpy 0.17
         max_query_len=max(lens),
         max_seq_len=max(seq_lens),
     )

@@ -120,9 +120,10 @@ class StepBuffers:
         # block tables: (S, width) contiguous on the host
         tables = host_tables.numpy().reshape(S, width)
         tables[:] = 0
-        for i, s in enumerate(seqs):
-            row = s.block_ids[:width]
-            tables[i, :len(row)] = row
+        rows = [s.block_ids[:width] for s in seqs]  # filled through one mask: a numpy row assignment per
+        counts = np.fromiter(map(len, rows), np.int64, n)  # seq took 0.5 of 0.67 ms at 256 seqs
+        tables[:n][np.arange(width) < counts[:, None]] = np.fromiter(chain.from_iterable(rows), np.int32,
+                                                                      int(counts.sum()))
         blocks = tables[seq_of_token, positions // block_size].astype(np.int64)  # (T_real,)
         h[o_slot:o_slot + T_real] = blocks * block_size + positions % block_size
         h[o_slot + T_real:o_slot + T] = -1
