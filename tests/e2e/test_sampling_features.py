@@ -41,6 +41,11 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "b
 REGEX = r"[a-c]{2,4}-\d{2}"
 GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= "x" | "yy" | "zzz"'
 CHOICES = ["alpha", "beta", "gamma delta"]
+# a structural tag that must be taken: <answer>, text per REGEX, </answer> (a JSON body would let a sampled
+# model write whitespace up to max_tokens: structural tags have no compact-JSON option; the JSON bodies are
+# checked on strings in tests/structured/test_structural_tag.py)
+TAGGED = json.dumps({"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<answer>", "end": "</answer>", "content": {"type": "regex", "pattern": REGEX}}})
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +98,19 @@ def check_structured(spec: StructuredOutputsParams, text: str) -> None:
         assert re.fullmatch(spec.regex, text), text
     elif spec.choice is not None:
         assert text in spec.choice
+    elif spec.structural_tag is not None:
+        assert re.fullmatch(f"<answer>{REGEX}</answer>", text), text
     else:
         assert re.fullmatch(r"\((x|yy|zzz)(,(x|yy|zzz))*\)", text), text
 
 
 def test_structured_outputs_match_mixed_with_everything(llm: LLM) -> None:
-    """Regex, choice, EBNF grammar and JSON schema requests over several seeds, batched with plain,
+    """Regex, choice, EBNF grammar, JSON schema and structural-tag requests over several seeds, batched with plain,
     penalized, biased and logprob requests, under chunked prefill (48-token budget) and a KV pool small
     enough to preempt: each structured output matches its constraint and ends with "stop" (the grammar's
     end), the others finish as asked."""
     specs = [SO(regex=REGEX), SO(choice=CHOICES), SO(grammar=GRAMMAR), SO(json=SCHEMA, disable_any_whitespace=True),
-             SO(json=json.dumps(SCHEMA), disable_any_whitespace=True)]
+             SO(json=json.dumps(SCHEMA), disable_any_whitespace=True), SO(structural_tag=TAGGED)]
     prompts, params = [], []
     for seed in range(3):
         for spec in specs:
@@ -168,6 +175,15 @@ def test_json_outputs_validate_on_the_default_model(tokenizer: Any) -> None:
         (lambda: SamplingParams(structured_outputs=SO(json_object=True, whitespace_pattern=" ")),
          "structured_outputs.whitespace_pattern"),
         (lambda: SamplingParams(structured_outputs=SO(structural_tag="{}")), "structured_outputs.structural_tag"),
+        (lambda: SamplingParams(structured_outputs=SO(structural_tag="[1")), "structured_outputs.structural_tag"),
+        (lambda: SamplingParams(structured_outputs=SO(structural_tag=json.dumps(
+            {"type": "structural_tag", "format": {"type": "no-such-format"}}))), "structured_outputs.structural_tag"),
+        (lambda: SamplingParams(structured_outputs=SO(structural_tag=json.dumps(
+            {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]}))),  # no triggers
+         "structured_outputs.structural_tag"),
+        (lambda: SamplingParams(structured_outputs=SO(structural_tag=json.dumps(
+            {"structures": [{"begin": "<f>", "schema": "object", "end": "</f>"}], "triggers": ["<f"]}))),
+         "structured_outputs.structural_tag"),
         (lambda: SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
         (lambda: SamplingParams(allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
         (lambda: SamplingParams(logprobs=21), "logprobs"),

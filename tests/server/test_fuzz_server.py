@@ -240,7 +240,11 @@ CONSTRAINTS = st.sampled_from([
     {}, {}, {}, {}, {}, {"response_format": {"type": "json_object"}},
     *({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": s}}} for s in SCHEMAS),
     {"structured_outputs": {"choice": ["yes", "no"]}}, {"guided_regex": "[a-c]{1,3}"}, {"guided_choice": ["up", "down"]},
-    {"structured_outputs": {"grammar": 'root ::= "ok" | "no"'}}])
+    {"structured_outputs": {"grammar": 'root ::= "ok" | "no"'}},
+    {"response_format": {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                                              "content": {"type": "regex", "pattern": "[xy]{1,3}"}}}},
+    {"structured_outputs": {"structural_tag": json.dumps({"structures": [{"begin": "<f>", "schema": SCHEMAS[0],
+                                                                          "end": "</f>"}], "triggers": ["<f"]})}}])
 TOKEN = st.integers(0, VOCAB - 1)
 
 

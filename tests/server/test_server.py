@@ -212,7 +212,8 @@ _CHAT_ERRORS = [
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
     ({"tools": _TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),  # neither format nor structures
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "structured_outputs.structural_tag"),
     ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

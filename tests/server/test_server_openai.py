@@ -215,7 +215,8 @@ def test_forced_tool_call_is_parsed_by_the_client(client: openai.OpenAI, choice:
 def test_vllm_only_fields_are_served(client: openai.OpenAI, server: ServerProcess) -> None:
     """A request carrying vLLM's extra fields (and one nobody knows) is served, and each field that
     changes the answer does: allowed_token_ids bounds every token, logit_bias forces a token,
-    bad_words keeps a word out, guided_choice / guided_regex / structured_outputs constrain the text,
+    bad_words keeps a word out, guided_choice / guided_regex / structured_outputs / structural tags constrain
+    the text,
     prompt_logprobs and return_token_ids come back."""
     tokenize = httpx.post(f"{server.url}/tokenize", json={"prompt": " blue green", "add_special_tokens": False}).json()
     blue, green = tokenize["tokens"][:2]
@@ -250,6 +251,12 @@ def test_vllm_only_fields_are_served(client: openai.OpenAI, server: ServerProces
     any_json = client.chat.completions.create(**{**chat, "max_tokens": 60}, response_format={"type": "json_object"})
     if any_json.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(any_json.choices[0].message.content or ""), dict)
+    # structural tags: response_format's "format" form, and structured_outputs.structural_tag as an object
+    tag = {"type": "tag", "begin": "<code>", "end": "</code>", "content": {"type": "regex", "pattern": "[A-Z]{3}"}}
+    for body in ({"response_format": {"type": "structural_tag", "format": tag}},
+                 {"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": tag}}}):
+        tagged = client.chat.completions.create(**chat, extra_body=body)
+        assert re.fullmatch(r"<code>[A-Z]{3}</code>", tagged.choices[0].message.content or ""), body
 
 
 def test_models_and_tokenize_report_the_resolved_context(server: ServerProcess) -> None:

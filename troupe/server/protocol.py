@@ -15,6 +15,7 @@ defaults. The one output constraint may come from `structured_outputs`, `respons
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -47,8 +48,14 @@ class JsonSchemaFormat(msgspec.Struct, kw_only=True):
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format`, with vLLM's two structural-tag forms: `format` (xgrammar's structural
+    tag), or the older `structures` (`{"begin", "schema", "end"}` objects) with `triggers`."""
+
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -151,13 +158,20 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         found: list[tuple[str, dict[str, Any]]] = []
         if self.structured_outputs is not None:
             spec = msgspec.structs.asdict(self.structured_outputs)
+            if isinstance(spec["structural_tag"], dict):  # the engine's field is its JSON text
+                spec["structural_tag"] = json.dumps(spec["structural_tag"])
             found.append(("structured_outputs", {k: v for k, v in spec.items()
                                                  if v is not None and v is not False}))
         rf = self.response_format
         if rf is not None and rf.type != "text":
             if rf.type == "structural_tag":
-                raise bad_request("response_format.type", "structural_tag is not supported by troupe")
-            if rf.type == "json_object":
+                if rf.format is None and (rf.structures is None or rf.triggers is None):
+                    raise bad_request("response_format", 'type structural_tag needs "format", or "structures" '
+                                      'and "triggers"')
+                tag = {"type": "structural_tag", **{k: v for k, v in (("format", rf.format), ("structures",
+                       rf.structures), ("triggers", rf.triggers)) if v is not None}}
+                found.append(("response_format", {"structural_tag": json.dumps(tag)}))
+            elif rf.type == "json_object":
                 found.append(("response_format", {"json_object": True}))
             else:
                 if rf.json_schema is None or rf.json_schema.schema is None:

@@ -11,7 +11,9 @@
 Specs map to xgrammar as vLLM's xgrammar backend does: `json` -> a JSON-schema grammar (xgrammar's
 strict mode: no properties beyond the schema's), `any_whitespace` unless `disable_any_whitespace`;
 `json_object` -> the schema `{"type": "object"}` (an object, not any JSON value); `regex`; `choice` -> an EBNF alternation of the strings;
-`grammar` -> EBNF / GBNF text.
+`grammar` -> EBNF / GBNF text; `structural_tag` -> xgrammar's structural tag (`structural_tag_grammar`: the
+older `structures` / `triggers` form becomes the same `triggered_tags` format vLLM's deprecated call
+built).
 """
 
 from __future__ import annotations
@@ -43,6 +45,32 @@ def _schema_text(spec: StructuredOutputsParams) -> str:
     return spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
 
 
+def structural_tag_grammar(text: str) -> Any:
+    """The xgrammar `Grammar` of a structural tag in either of vLLM's forms (troupe.structured.params).
+
+    The older form, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`, is free text until
+    a trigger, then one structure (begin, JSON per its schema, end), then free text again: xgrammar's
+    `triggered_tags` format, which is what its deprecated `(tags, triggers)` call builds."""
+    xgr = _xgr()
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(text)
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers \
+            or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError('"structures" must be a non-empty list of {"begin", "schema", "end"} and "triggers" a '
+                         "non-empty list of strings")
+    tags = []
+    for s in structures:
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
+                or not isinstance(s.get("schema", {}), dict | bool):
+            raise ValueError(f'each structure needs "begin" and "end" strings and a JSON schema "schema", got {s!r}')
+        tags.append({"begin": s["begin"], "end": s["end"],
+                     "content": {"type": "json_schema", "json_schema": s.get("schema", {})}})
+    fmt = {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
+
+
 def validate(spec: StructuredOutputsParams) -> None:
     """Raise `InvalidInputError("structured_outputs.<kind>", ...)` if the spec does not parse."""
     xgr = _xgr()
@@ -62,6 +90,9 @@ def validate(spec: StructuredOutputsParams) -> None:
         elif kind == "choice":
             assert spec.choice is not None
             xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
+        elif kind == "structural_tag":
+            assert spec.structural_tag is not None
+            structural_tag_grammar(spec.structural_tag)
     except Exception as exc:  # xgrammar reports parse errors as RuntimeError / ValueError
         raise InvalidInputError(f"structured_outputs.{kind}", f"is not valid: {_first_line(exc)}") from None
 
@@ -92,6 +123,9 @@ class GrammarCompiler:
         if kind == "choice":
             assert spec.choice is not None
             return c.compile_grammar(choice_grammar(spec.choice))
+        if kind == "structural_tag":
+            assert spec.structural_tag is not None
+            return c.compile_grammar(structural_tag_grammar(spec.structural_tag))
         return c.compile_grammar(spec.grammar)
 
 

@@ -1,11 +1,17 @@
 """`StructuredOutputsParams`: the constraint a request's output must satisfy (vLLM's shape).
 
 Exactly one of `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object),
-`regex`, `choice` (one of these strings) or `grammar` (EBNF / GBNF text) is set. The three options
-shape the JSON a schema allows: `disable_any_whitespace` (compact JSON only), `disable_additional_properties`
+`regex`, `choice` (one of these strings), `grammar` (EBNF / GBNF text) or `structural_tag` (JSON text:
+text with tagged, schema-constrained parts, the form tool calls take) is set. The three options shape
+the JSON a schema allows: `disable_any_whitespace` (compact JSON only), `disable_additional_properties`
 (objects whose schema leaves `additionalProperties` unset get no extra keys) and `whitespace_pattern` (a
-regex for the whitespace between JSON tokens). `structural_tag` is vLLM's name for tagged tool-call
-constraints, which troupe does not support: it is refused.
+regex for the whitespace between JSON tokens).
+
+`structural_tag` takes vLLM's two forms (troupe.structured.backend compiles both):
+- `{"type": "structural_tag", "format": {...}}`: xgrammar's structural tag (a `tag` with `begin`,
+  `content`, `end`; `triggered_tags`; `sequence`; ...);
+- `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}` (the older form): free text
+  until a trigger starts one of the structures, whose body follows its JSON schema up to its `end`.
 
 Construction checks the shape only (which field, non-empty, a schema that is JSON); whether the schema,
 regex or grammar compiles is checked where the request enters troupe (`troupe.structured.validate`),
@@ -40,13 +46,12 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise InvalidInputError("structured_outputs", "exactly one of json, json_object, regex, choice or "
-                                    f"grammar must be set, got {given or 'none'}")
+            raise InvalidInputError("structured_outputs", "exactly one of json, json_object, regex, choice, "
+                                    f"grammar or structural_tag must be set, got {given or 'none'}")
         kind = given[0]
         if kind == "structural_tag":
-            raise InvalidInputError("structured_outputs.structural_tag", "structural tags are not supported by "
-                                    "troupe; use json, regex, choice or grammar")
-        if kind == "json":
+            self._check_structural_tag()
+        elif kind == "json":
             self._check_schema()
         elif kind == "json_object":
             if self.json_object is not True:
@@ -71,6 +76,19 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise InvalidInputError("structured_outputs.whitespace_pattern", "must be a regex string, got "
                                     f"{self.whitespace_pattern!r}")
 
+    def _check_structural_tag(self) -> None:
+        text = self.structural_tag
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInputError("structured_outputs.structural_tag", f"must be a non-empty JSON string, got "
+                                    f"{text!r}")
+        try:
+            tag = _json.loads(text)
+        except ValueError as exc:
+            raise InvalidInputError("structured_outputs.structural_tag", f"is not valid JSON: {exc}") from None
+        if not isinstance(tag, dict) or ("format" not in tag and "structures" not in tag):
+            raise InvalidInputError("structured_outputs.structural_tag", 'must be a JSON object with "format" '
+                                    f'(a structural tag) or "structures" and "triggers", got {text!r}')
+
     def _check_schema(self) -> None:
         schema = self.json
         if isinstance(schema, str):
@@ -86,7 +104,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        """Which constraint is set: "json", "json_object", "regex", "choice", "grammar" or "structural_tag"."""
         return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
 
     def key(self) -> str:
