@@ -18,8 +18,8 @@
 # part2 and all: 480 s by default: a session has 15 minutes of device time, the machine's start
 # included, and both parts must fit in it).
 # Everything printed also goes to $OUT (default ./gpu-check-out): gpu_check_<part>.log, summary.txt,
-# bench_smollm2.txt, bench_llama1b.txt. Targets (issue 15): offline >= 10x transformers `generate` on
-# the same GPU and model, single-stream ITL <= 5 ms on the default model.
+# bench_smollm2.txt, bench_llama1b.txt, host_phases.txt. Targets (issue 15): offline >= 10x transformers
+# `generate` on the same GPU and model, single-stream ITL <= 5 ms on the default model.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 part=${1:-all}
@@ -116,6 +116,10 @@ part2() {
   stage engine-gpu-tests 170 "$PYTEST tests/kernels/test_cuda_engine_gpu.py"
   BENCH_LIMIT=150 bench smollm2 --itl --itl-tokens 256
   BENCH_LIMIT=150 bench llama1b --random-model 1b
+  # where a host-bound step's time goes (the offline target's gap): launch-only, then with the GPU waited for
+  stage host-phases 90 "python3 -m troupe.bench.host --device cuda --batches 1,64,256 --steps 32 --repeats 3 \
+    | tee $OUT/host_phases.txt && python3 -m troupe.bench.host --device cuda --batches 256 --steps 32 --repeats 3 \
+    --sync | tee -a $OUT/host_phases.txt"
   summary
 }
 

@@ -1,0 +1,70 @@
+"""`python -m troupe.bench.host`: the host-phase table of a decode step on a tiny GGUF and on the null model,
+the engine left as it was (no request, no wrapper), and bad arguments refused naming the option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from troupe.bench import host
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from troupe.kernels.quant import QType
+    from troupe.testing.models import make_tiny_gguf
+
+    gguf, _ = make_tiny_gguf(tmp_path_factory.mktemp("m"), default_qtype=QType.Q4_1)
+    return gguf
+
+
+def _table(out: str) -> dict[str, dict[str, float]]:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == ["B", *host.PHASES]
+    return {cells[0]: {name: float(cell.split()[0]) for name, cell in zip(header[1:], cells[1:], strict=True)}
+            for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+
+
+@pytest.mark.parametrize("null", [False, True], ids=["tiny-gguf", "null-model"])
+def test_each_batch_prints_every_phase(tiny_gguf: Path, null: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """One row per batch size; every timed phase is measured (> 0) and together they stay within the step."""
+    argv = ["--model", str(tiny_gguf), "--device", "cpu", "--batches", "1,6", "--context", "12", "--steps", "4",
+            "--repeats", "2", "--threads", "1"]
+    assert host.main(argv + (["--null-model"] if null else [])) == 0
+    out = capsys.readouterr().out
+    assert ("null model on cpu" in out) is null
+    rows = _table(out)
+    assert list(rows) == ["1", "6"]
+    for r in rows.values():
+        assert [k for k in ("step", "schedule", "seqs", "execute", "sampler", "update") if not r[k] > 0] == []
+        assert r["sampling rows"] >= 0 and r["rest"] > -0.01
+        assert sum(r[k] for k in host.PHASES[1:]) == pytest.approx(r["step"], abs=0.01)
+
+
+def test_measure_leaves_the_engine_as_it_was(tiny_gguf: Path) -> None:
+    from troupe.config import EngineConfig
+    from troupe.core.engine_core import EngineCore
+
+    core = EngineCore(EngineConfig(model=str(tiny_gguf), multiprocess=False, num_threads=1,
+                                   enable_prefix_caching=False, max_num_seqs=4))
+    try:
+        free = core.kv.num_free_blocks
+        r = host.measure(core, 3, 10, 2, 1)
+        assert r["step"] > 0
+        assert not core.has_unfinished_requests() and core.kv.num_free_blocks == free
+        for obj, attr in ((core.scheduler, "schedule"), (core.runner, "execute"), (core, "_sample"),
+                          (core.sampler, "sample"), (core.scheduler, "update_from_output")):
+            assert attr not in vars(obj), attr
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("bad", [["--steps", "0"], ["--batches", "0,2"], ["--device", "tpu"]])
+def test_bad_arguments_name_the_option(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        host.main(bad)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert bad[0] in err or "--batches" in err
