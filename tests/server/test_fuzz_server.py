@@ -84,6 +84,8 @@ def test_the_document_covers_every_route(server: ServerProcess) -> None:
     assert set(schemas["ErrorInfo"]["required"]) == {"message", "type", "param", "code"}
     post = doc["paths"]["/v1/completions"]["post"]
     assert post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    event = post["responses"]["200"]["content"]["text/event-stream"]["schema"]  # one event (no itemSchema < 3.2)
+    assert event["type"] == "object" and event["required"] == ["data"]
 
 
 def cap_tokens(case: Any) -> None:

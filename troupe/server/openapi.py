@@ -48,10 +48,17 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": _ERRORS[s], "content": _json(responses.ErrorResponse)} for s in statuses}
 
 
+# One server-sent event, as an SSE parser hands it over: before OpenAPI 3.2 (no `itemSchema`) the schema of an
+# event-stream media type describes each event (schemathesis checks every event of a streamed answer so).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a chunk's JSON, or [DONE]"},
+                            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _generation(op_id: str, summary: str, request: type, answer: type, chunk: type) -> dict[str, Any]:
     ok = {"description": f"a `{answer.__name__}`; with `\"stream\": true`, SSE `data:` events of "
                          f"`{chunk.__name__}` and then `data: [DONE]`",
-          "content": {**_json(answer), "text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {**_json(answer), "text/event-stream": {"schema": SSE_EVENT}}}
     return {"post": {"operationId": op_id, "summary": summary,
                      "requestBody": {"required": True, "content": _json(request)},
                      "responses": {"200": ok, **_errors(400, 401, 404, 413, 415, 500, 503)}}}
