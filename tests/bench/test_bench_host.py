@@ -10,15 +10,6 @@ import pytest
 from troupe.bench import host
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from troupe.kernels.quant import QType
-    from troupe.testing.models import make_tiny_gguf
-
-    gguf, _ = make_tiny_gguf(tmp_path_factory.mktemp("m"), default_qtype=QType.Q4_1)
-    return gguf
-
-
 def _table(out: str) -> dict[str, dict[str, float]]:
     lines = [line for line in out.splitlines() if line.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]

@@ -11,15 +11,6 @@ import pytest
 from troupe.bench import step
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from troupe.kernels.quant import QType
-    from troupe.testing.models import make_tiny_gguf
-
-    gguf, _ = make_tiny_gguf(tmp_path_factory.mktemp("m"), default_qtype=QType.Q4_1)
-    return gguf
-
-
 def _table(out: str) -> dict[str, dict[str, float]]:
     """The printed table: batch -> part -> ms (the share in parentheses dropped)."""
     lines = [line for line in out.splitlines() if line.startswith("| ")]

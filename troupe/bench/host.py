@@ -24,13 +24,12 @@ a test: it prints figures (docs/benchmarks.md has them).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from troupe.bench.step import _add, _ints, _Timers
+from troupe.bench.step import Timers, ints, start_batch
 
 PHASES = ("step", "schedule", "seqs", "execute", "sampling rows", "sampler", "update", "rest")
 
@@ -41,16 +40,10 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
     engine is left with no request and no wrapper."""
     import torch
 
-    rnd = random.Random(seed)
-    ids = [f"bench-host-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        _add(core, rid, [rnd.randrange(core.runner.vocab_size) for _ in range(context)], steps * repeats + 8)
-    while sum(len(o.new_token_ids) for o in core.step().outputs) < batch:  # until every prompt is in
-        pass
-    originals = {(obj, attr): getattr(obj, attr) for obj, attr in (
-        (core.scheduler, "schedule"), (core.scheduler, "to_scheduled_seqs"), (core.runner, "execute"),
-        (core, "_sample"), (core.sampler, "sample"), (core.scheduler, "update_from_output"))}
-    timers = _Timers()
+    ids = start_batch(core, "bench-host", batch, context, steps * repeats + 8, seed)
+    wrapped = ((core.scheduler, "schedule"), (core.scheduler, "to_scheduled_seqs"), (core.runner, "execute"),
+               (core, "_sample"), (core.sampler, "sample"), (core.scheduler, "update_from_output"))
+    timers = Timers()
     if sync and core.runner.device.type == "cuda":
         execute = core.runner.execute
 
@@ -60,7 +53,7 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
             return out
 
         core.runner.execute = execute_synced
-    for (obj, attr), name in zip(originals, ("schedule", "seqs", "execute", "sample all", "sampler", "update"),
+    for (obj, attr), name in zip(wrapped, ("schedule", "seqs", "execute", "sample all", "sampler", "update"),
                                  strict=True):
         timers.wrap(obj, attr, name)
     rounds: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -81,11 +74,9 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
             parts["step"] = step_s
             for name, value in parts.items():
                 rounds[name].append(value * 1e3)
-    finally:
-        for (obj, attr), fn in originals.items():
-            if attr in vars(obj):
-                delattr(obj, attr)  # the wrapper was an instance attribute: the method shows through again
-            assert getattr(obj, attr) == fn
+    finally:  # the wrappers are instance attributes (execute's sync one under its timer): deleting them
+        for obj, attr in wrapped:  # shows the methods again
+            delattr(obj, attr)
         core.abort_requests(ids)
         core.step()  # publishes the aborts, frees the blocks
     return {name: statistics.median(v) for name, v in rounds.items()}
@@ -100,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--null-model", action="store_true", help="no model: a fixed token per step, no compute")
-    p.add_argument("--batches", type=_ints, default=[1, 64, 256], help="comma-separated batch sizes (default 1,64,256)")
+    p.add_argument("--batches", type=ints, default=[1, 64, 256], help="comma-separated batch sizes (default 1,64,256)")
     p.add_argument("--context", type=int, default=100, help="prompt tokens of each sequence (default 100)")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")

@@ -39,7 +39,7 @@ FORWARD_PARTS = ("forward alone", "projections", "attention", "other ops")
 PARTS = STEP_PARTS + FORWARD_PARTS
 
 
-class _Timers:
+class Timers:
     """Per-call wall times of wrapped methods, by name."""
 
     def __init__(self) -> None:
@@ -120,12 +120,7 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, seed:
             each_round: Callable[[], None] | None = None) -> dict[str, float]:
     """Median ms per decode step of each part in `PARTS` for `batch` sequences (see the module docstring);
     `each_round` runs after every round (another measurement taking turns with this one)."""
-    rnd = random.Random(seed)
-    ids = [f"bench-step-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        _add(core, rid, [rnd.randrange(core.runner.vocab_size) for _ in range(context)], steps * repeats + 8)
-    while sum(len(o.new_token_ids) for o in core.step().outputs) < batch:  # until every prompt is in
-        pass
+    ids = start_batch(core, "bench-step", batch, context, steps * repeats + 8, seed)
 
     def decode_round() -> tuple[list[float], Callable[[], None]]:
         times = []
@@ -140,6 +135,18 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, seed:
     finally:
         core.abort_requests(ids)
         core.step()  # publishes the aborts, frees the blocks
+
+
+def start_batch(core: Any, name: str, batch: int, context: int, max_tokens: int, seed: int = 0) -> list[str]:
+    """Add `batch` greedy requests of `context` random prompt tokens (ids `{name}-{batch}-{i}`) and step
+    until every prompt is prefilled; returns their ids (the caller aborts them)."""
+    rnd = random.Random(seed)
+    ids = [f"{name}-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        _add(core, rid, [rnd.randrange(core.runner.vocab_size) for _ in range(context)], max_tokens)
+    while sum(len(o.new_token_ids) for o in core.step().outputs) < batch:  # until every prompt is in
+        pass
+    return ids
 
 
 def measure_prefill(core: Any, context: int, repeats: int, seed: int = 0) -> dict[str, float]:
@@ -182,7 +189,7 @@ def _measure_rounds(core: Any, run_round: Callable[[], tuple[list[float], Callab
 
     runner, model = core.runner, core.runner.model
     last: list[Any] = []
-    timers = _Timers()
+    timers = Timers()
     timers.wrap(runner.kernels, "prepare", "prepare")
     timers.wrap(model, "forward", "forward")
     timers.wrap(model, "compute_logits", "head")
@@ -262,7 +269,7 @@ class LlmItl:
         self.llm.close()
 
 
-def _ints(text: str) -> list[int]:
+def ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
@@ -278,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--quantization", default="auto", help="EngineConfig.quantization (e.g. gguf, gguf-q8)")
     p.add_argument("--kernels", default="auto", help="EngineConfig.kernels")
-    p.add_argument("--batches", type=_ints, default=[1, 16], help="comma-separated batch sizes (default 1,16)")
+    p.add_argument("--batches", type=ints, default=[1, 16], help="comma-separated batch sizes (default 1,16)")
     p.add_argument("--context", type=int, default=100, help="prompt tokens of each sequence (default 100)")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per round (default 32)")
     p.add_argument("--repeats", type=int, default=5, help="rounds (default 5)")
