@@ -9,7 +9,10 @@ rows, the output bookkeeping) is the step less those parts. After the round, the
 again through prepare + forward alone three ways, taking turns: as it is; with every projection of the
 layers replaced by its output captured once (so they cost nothing); and with attention replaced too (and
 `prepare` alone, taken off all three). The differences split the forward into its projections, its
-attention, and the rest (norms, rotary and KV write, SiLU x up, the embedding, the Python between the ops). The context grows by `--steps` a round.
+attention, and the rest (norms, rotary and KV write, SiLU x up, the embedding, the Python between the ops).
+Those three runs take the model's per-layer loop even where the step itself runs the kernel set's decoder
+stack (docs/kernels.md): the split replaces the layers' own ops, which the stack does not call from Python;
+"forward alone" against "forward" then shows what the stack saves. The context grows by `--steps` a round.
 
 `--prefill` adds a row for the step that prefills one fresh prompt of `--context` tokens alone (a new
 prompt each round; the step behind a single stream's TTFT), split the same way.
@@ -218,11 +221,15 @@ def _measure_rounds(core: Any, run_round: Callable[[], tuple[list[float], Callab
                 runner.kernels.prepare(seqs, runner.block_size)
 
             prep_alone = _time_calls(prepare, reruns)
-            whole = _time_calls(forward, reruns)
-            with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=False):
-                no_proj = _time_calls(forward, reruns)
-            with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=True):
-                no_proj_attn = _time_calls(forward, reruns)
+            stack, model.stack = model.stack, None  # the split replaces the layers' own ops: their Python loop
+            try:
+                whole = _time_calls(forward, reruns)
+                with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=False):
+                    no_proj = _time_calls(forward, reruns)
+                with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=True):
+                    no_proj_attn = _time_calls(forward, reruns)
+            finally:
+                model.stack = stack
             done()
             prep, step = t["prepare"], _median_ms(step_times)
             parts = {"step": step, "prepare": prep, "forward": t["forward"], "head": t["head"],

@@ -39,7 +39,7 @@ import math
 import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -50,6 +50,22 @@ from troupe.kernels.quant import Weight, dense
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # (M, K) -> (M, N)
 EmbeddingOp = Callable[[torch.Tensor], torch.Tensor]  # (T,) int64 -> (T, hidden)
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool) of one layer
+
+
+class LayerWeights(NamedTuple):
+    """What a decoder stack (`KernelSet.decoder_stack`) takes of one bound Llama-family layer."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearOp
+    o_proj: LinearOp
+    gate_up: LinearOp
+    down: LinearOp
+
+
+# (embedded x, positions, rope table, kv caches, metadata) -> (last layer's output, residual stream)
+DecoderStack = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[LayerKV], "AttentionMetadata"],
+                        tuple[torch.Tensor, torch.Tensor]]
 
 
 class ScheduledSeq(Protocol):
@@ -202,6 +218,12 @@ class KernelSet(abc.ABC):
                                      dev(m.block_tables), max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
             batch = StepBatch(dev(batch.input_ids), dev(batch.positions), meta, dev(batch.logits_indices))
         return batch
+
+    def decoder_stack(self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
+                      eps: float, scale: float) -> DecoderStack | None:
+        """All the layers of a bound Llama-family model as one call with the same results as the model's
+        own loop over them, or None (the default): the model then calls the per-layer ops below."""
+        return None
 
     # ------------------------------------------------------------------ per layer
 

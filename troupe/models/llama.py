@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
-from troupe.kernels.base import AttentionMetadata, KernelSet, LayerKV, LinearOp
+from troupe.kernels.base import AttentionMetadata, DecoderStack, KernelSet, LayerKV, LayerWeights, LinearOp
 from troupe.kernels.quant import QuantizedTensor, Weight, dense
 from troupe.kernels.reference import rope_cache
 from troupe.models.arch import ModelArch
@@ -139,6 +140,7 @@ class LlamaModel(nn.Module):
                              persistent=False)  # (max_len, D) float32
         self.head: LinearOp = _unbound
         self.embedding: Callable[[torch.Tensor], torch.Tensor] = _unbound
+        self.stack: DecoderStack | None = None  # the kernel set's one-call stack of the layers, if it has one
 
     def bind(self, ops: KernelSet) -> None:
         """Once the weights are loaded: hand every projection, the embedding and the LM head to the kernel
@@ -156,6 +158,10 @@ class LlamaModel(nn.Module):
             self.head = ops.linear(self.embed.detach().clone())
         for layer in self.layers:
             layer.bind(ops)  # type: ignore[operator]
+        a, layers = self.arch, cast(list[DecoderLayer], list(self.layers))
+        self.stack = ops.decoder_stack(
+            [LayerWeights(ly.input_norm, ly.post_norm, ly.qkv, ly.o_proj, ly.gate_up, ly.down) for ly in layers],
+            a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps, a.head_dim**-0.5)
 
     def forward(
         self,
@@ -167,8 +173,11 @@ class LlamaModel(nn.Module):
         rope: torch.Tensor = self.rope_cache  # type: ignore[assignment]  # a registered buffer
         x = self.embedding(input_ids)  # (T, hidden)
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, rope, kv, meta)
+        if self.stack is not None and x.dtype == torch.float32:  # every layer in one call, same results
+            x, residual = self.stack(x, positions, rope, kv_caches, meta)
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, positions, rope, kv, meta)
         assert residual is not None, "a model has at least one layer"
         return self.ops.add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]  # (T, hidden)
 

@@ -22,16 +22,18 @@ from collections.abc import Sequence
 import torch
 
 from troupe.kernels.base import (
+    DecoderStack,
     EmbeddingOp,
     KVSpec,
     LayerKV,
+    LayerWeights,
     LinearOp,
     ScheduledSeq,
     StepBatch,
     flatten_step,
     zeros,
 )
-from troupe.kernels.cpu import fused
+from troupe.kernels.cpu import fused, stack
 from troupe.kernels.cpu import linear as qlinear
 from troupe.kernels.cpu.arena import WeightArena
 from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
@@ -44,6 +46,7 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ source
     "qmm": qlinear.SOURCES,
     "attention": ("attention.cpp", "attention_decode.cpp", "attention_prefill.cpp"),
     "fused": ("fused.cpp",),
+    "stack": stack.SOURCES,  # loads last: its op calls the others' through the dispatcher
 }
 KV_DTYPES = {"auto": torch.float16, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -93,6 +96,11 @@ class CpuKernels(EagerKernels):
         args = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         k_shape, v_shape = self.k_cache_shape(*args), self.kv_cache_shape(*args)
         return [(zeros(k_shape, self.kv_dtype), zeros(v_shape, self.kv_dtype)) for _ in range(spec.num_layers)]
+
+    def decoder_stack(self, layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
+                      eps: float, scale: float) -> DecoderStack | None:
+        """Every layer in one compiled call where the projections all compute on GGUF blocks (`stack`)."""
+        return stack.decoder_stack(layers, num_heads, num_kv_heads, head_dim, eps, scale)
 
     # ------------------------------------------------------------------ per step / per layer
 
