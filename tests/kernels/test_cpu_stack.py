@@ -4,6 +4,7 @@ biases, both activation modes; and it stays out of the way where it does not app
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -33,21 +34,15 @@ def _model(tmp_path: Path, quantize_activations: bool = False, **options):
 def _run_steps(model, info, steps: list[list[ScheduledSeq]], use_stack: bool) -> tuple[list[torch.Tensor], list]:
     """Run `steps` through the model on a fresh pool, with the stack or the per-layer loop; returns every
     step's hidden states and the pool afterwards."""
-    stack = model.stack
     ops = model.ops
     kv = ops.allocate_kv(KVSpec(num_layers=info.num_layers, num_blocks=64, block_size=BLOCK,
                                 num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=torch.float32,
                                 max_model_len=info.max_model_len, max_num_seqs=8))
     outs = []
-    try:
-        if not use_stack:
-            model.stack = None
-        with torch.inference_mode():
-            for seqs in steps:
-                batch = ops.prepare(seqs, BLOCK)
-                outs.append(model(batch.input_ids, batch.positions, kv, batch.meta).clone())
-    finally:
-        model.stack = stack
+    with torch.inference_mode(), contextlib.nullcontext() if use_stack else model.per_layer_loop():
+        for seqs in steps:
+            batch = ops.prepare(seqs, BLOCK)
+            outs.append(model(batch.input_ids, batch.positions, kv, batch.meta).clone())
     return outs, kv
 
 

@@ -221,15 +221,12 @@ def _measure_rounds(core: Any, run_round: Callable[[], tuple[list[float], Callab
                 runner.kernels.prepare(seqs, runner.block_size)
 
             prep_alone = _time_calls(prepare, reruns)
-            stack, model.stack = model.stack, None  # the split replaces the layers' own ops: their Python loop
-            try:
+            with model.per_layer_loop():  # the split replaces the layers' own ops
                 whole = _time_calls(forward, reruns)
                 with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=False):
                     no_proj = _time_calls(forward, reruns)
                 with _free(model, runner.kernels, seqs, runner.block_size, runner.kv_caches, attention=True):
                     no_proj_attn = _time_calls(forward, reruns)
-            finally:
-                model.stack = stack
             done()
             prep, step = t["prepare"], _median_ms(step_times)
             parts = {"step": step, "prepare": prep, "forward": t["forward"], "head": t["head"],

@@ -23,8 +23,9 @@ consecutive groups of one format each, one projection per group, their outputs c
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -180,6 +181,16 @@ class LlamaModel(nn.Module):
                 x, residual = layer(x, residual, positions, rope, kv, meta)
         assert residual is not None, "a model has at least one layer"
         return self.ops.add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]  # (T, hidden)
+
+    @contextlib.contextmanager
+    def per_layer_loop(self) -> Iterator[None]:
+        """Within the block, `forward` calls each layer's ops from Python even where the kernel set has a
+        decoder stack (for what replaces or times those ops one by one)."""
+        stack, self.stack = self.stack, None
+        try:
+            yield
+        finally:
+            self.stack = stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""

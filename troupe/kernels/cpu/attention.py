@@ -62,13 +62,18 @@ class CpuMetadata(AttentionMetadata):
         return cls(m.slot_mapping, m.query_start_loc, m.seq_lens, m.block_tables, m.max_query_len, m.max_seq_len)
 
 
+def step_plan(meta: CpuMetadata, q: torch.Tensor, k_pool: torch.Tensor) -> AttnPlan:
+    """The step's attention plan, built by the first call for queries shaped as `q` (T, H, D) and kept."""
+    if meta.plan is None:
+        meta.plan = AttnPlan.build(q, k_pool, meta)
+    return meta.plan
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: CpuMetadata,
                     scale: float) -> torch.Tensor:
     """Causal attention of the step's new tokens q (T, H, D) over the pool (which already holds them);
     returns (T, H, D) in q's dtype, the step's buffer (see the module docstring)."""
-    plan = meta.plan
-    if plan is None:
-        plan = meta.plan = AttnPlan.build(q, k_pool, meta)
+    plan = step_plan(meta, q, k_pool)
     torch.ops.troupe_attention.paged_attention(
         q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
         plan.scratch, plan.out, scale, plan.threads)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from troupe.kernels.base import AttentionMetadata, DecoderStack, LayerKV, LayerWeights
-from troupe.kernels.cpu.attention import AttnPlan, CpuMetadata
+from troupe.kernels.cpu.attention import CpuMetadata, step_plan
 from troupe.kernels.cpu.linear import QuantizedLinear
 
 SOURCES = ("stack.cpp",)
@@ -51,9 +51,8 @@ def decoder_stack(layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: 
     def run(x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, kv_caches: Sequence[LayerKV],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(meta, CpuMetadata), "the cpu set's step metadata (CpuKernels.prepare)"
-        plan = meta.plan
-        if plan is None:  # the step's attention plan, as the first layer's `paged_attention` would build it
-            plan = meta.plan = AttnPlan.build(x.new_empty((x.shape[0], num_heads, head_dim)), kv_caches[0][0], meta)
+        # the step's attention plan, as the first layer's attention call would build it (for q's shape)
+        plan = meta.plan or step_plan(meta, x.new_empty((x.shape[0], num_heads, head_dim)), kv_caches[0][0])
         out, residual = torch.ops.troupe_stack.decoder_stack(
             x, positions, rope, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges, plan.scratch, plan.out,
