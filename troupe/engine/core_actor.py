@@ -33,6 +33,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.errors import InvalidInputError, error_kind
+from troupe.handoff import hand_over
 from troupe.log import trace, trace_enabled
 from troupe.messages import (
     AbortRequest,
@@ -120,7 +121,7 @@ class EngineCoreActor:
                 await self._outbox.send(EngineDead(reason=reason, engine_index=self.engine_index))
                 return
             self._steps += 1
-            await self._outbox.send(outputs)
+            await hand_over(self._outbox, outputs)
 
     async def _apply_pending(self, core: EngineCore) -> None:
         pending, self._pending = self._pending, []

@@ -42,6 +42,7 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from troupe.handoff import hand_over
 from troupe.process.codec import Buffer, FrameDecoder, FrameEncoder
 
 log = structlog.get_logger("troupe.bridge")
@@ -194,7 +195,7 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
                     continue
                 self._received += 1
                 try:
-                    await self._outbox.send(msg)
+                    await hand_over(self._outbox, msg)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     return  # nobody listens any more: shutting down
 

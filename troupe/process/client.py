@@ -55,6 +55,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from troupe.config import EngineConfig
 from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineStartupError, first_startup_error
+from troupe.handoff import hand_over
 from troupe.log import trace_enabled
 from troupe.messages import EngineCoreOutputs, EngineDead, EngineInput, EngineOutput, UtilityResult
 from troupe.process.bridge import Bridge, engine_identity
@@ -263,7 +264,7 @@ class EngineProcess:
         async for msg in messages:
             match msg:
                 case EngineCoreOutputs() | UtilityResult() | EngineDead():
-                    await self._outbox.send(msg)
+                    await hand_over(self._outbox, msg)
                 case EngineStartupFailed():  # the monitor's word for an exit it saw before ready was read
                     await self._outbox.send(EngineDead(reason=msg.message, engine_index=self.engine_index))
                 case EngineLog():
