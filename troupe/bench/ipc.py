@@ -54,6 +54,13 @@ def scheduler_only_core(config: Any) -> Any:
     return core
 
 
+def null_pool_blocks(streams: int, tokens: int, prompt_tokens: int = 64, block_size: int = 16) -> int:
+    """KV blocks for the null engine: every stream's prompt (the bench's are ~12 tokens) and `tokens`
+    outputs at once, plus the null block. The default pool holds 512 tokens a sequence, and the engine
+    caps a request that could never fit at what the pool holds, so longer runs would finish early."""
+    return streams * -(-(prompt_tokens + tokens) // block_size) + 1
+
+
 async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list[float]]:
     from troupe import AsyncLLM
     from troupe.bench.offline import stream_requests
@@ -62,6 +69,7 @@ async def bench_null(args: argparse.Namespace, make_core: Any) -> dict[str, list
     for mode in args.modes.split(","):
         async with AsyncLLM(args.model, null_model=True, multiprocess=mode == "multiprocess", make_core=make_core,
                             max_num_seqs=args.streams, max_num_batched_tokens=max(1024, 16 * args.streams),
+                            num_kv_blocks=null_pool_blocks(args.streams, args.null_tokens),
                             num_threads=args.threads) as llm:
             runs[mode] = []
             for r in range(args.repeats + 1):

@@ -95,7 +95,9 @@ async def stream_requests(llm: Any, requests: int, concurrency: int, tokens: int
         for i in range(requests):
             tg.start_soon(one, i)
     elapsed = time.perf_counter() - t
-    assert produced == requests * tokens
+    if produced != requests * tokens:
+        raise RuntimeError(f"{requests} requests of {tokens} tokens produced {produced} tokens: a request finished "
+                           "early (is the KV pool smaller than prompt + max_tokens?)")
     return requests / elapsed, produced / elapsed
 
 
