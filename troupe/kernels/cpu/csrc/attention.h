@@ -80,6 +80,9 @@ inline const KT* key_chunk(const KT* kpool, const int64_t* table, int64_t p, int
 }
 
 void decode_item(const AttnArgs& a, const int64_t* item, Buffers& buf);
+// Requests into L2 the K and V lines of a decode item's first keys (no-op for prefill items): a thread
+// calls it for the item it will take next, so that item does not start on cold misses.
+void prefetch_item(const AttnArgs& a, const int64_t* item);
 void prefill_item(const AttnArgs& a, const int64_t* item, Buffers& buf);
 // Combines the split-K pieces [slot0, slot0 + count) of (seq, kv_head) into the output.
 void merge_pieces(const AttnArgs& a, int64_t seq, int64_t kv_head, int64_t slot0, int64_t count);

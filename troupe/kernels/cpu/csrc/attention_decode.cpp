@@ -280,6 +280,24 @@ void decode(const AttnArgs& a, int64_t seq, int64_t h, int64_t c0, int64_t c1, i
   }
 }
 
+// The lines of K and V for positions [p0, p1) of kv head `h` (whole blocks) into L2.
+template <typename KT>
+void prefetch_l2(const AttnArgs& a, int64_t seq, int64_t h, int64_t p0, int64_t p1) {
+  const int BS = a.BS, D = a.D;
+  const int64_t* table = a.block_tables + seq * a.bt_stride;
+  const int64_t block_stride = int64_t(a.KVH) * BS * D, head_off = h * int64_t(BS) * D;
+  const int64_t bytes = int64_t(BS) * D * int64_t(sizeof(KT));
+  for (int64_t b = p0 / BS; b * BS < p1; ++b) {
+    const int64_t off = (table[b] * block_stride + head_off) * int64_t(sizeof(KT));
+    const char* k = static_cast<const char*>(a.k_pool) + off;
+    const char* v = static_cast<const char*>(a.v_pool) + off;
+    for (int64_t i = 0; i < bytes; i += 64) {
+      _mm_prefetch(k + i, _MM_HINT_T1);
+      _mm_prefetch(v + i, _MM_HINT_T1);
+    }
+  }
+}
+
 template <typename QT>
 void decode_q(const AttnArgs& a, const int64_t* it, Buffers& buf) {
   switch (a.kvtype) {
@@ -313,6 +331,16 @@ void merge(const AttnArgs& a, int64_t seq, int64_t h, int64_t slot0, int64_t cou
 }
 
 }  // namespace
+
+void prefetch_item(const AttnArgs& a, const int64_t* item) {
+  if (item[0] != kDecode) return;
+  const int64_t p1 = std::min(item[4], item[3] + int64_t(2 * TK));
+  switch (a.kvtype) {
+    case DType::kFloat: prefetch_l2<float>(a, item[1], item[2], item[3], p1); break;
+    case DType::kHalf: prefetch_l2<Half>(a, item[1], item[2], item[3], p1); break;
+    case DType::kBFloat16: prefetch_l2<BFloat16>(a, item[1], item[2], item[3], p1); break;
+  }
+}
 
 void decode_item(const AttnArgs& a, const int64_t* item, Buffers& buf) {
   if (a.qtype == DType::kFloat) {
