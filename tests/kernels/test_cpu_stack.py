@@ -31,9 +31,11 @@ def _model(tmp_path: Path, quantize_activations: bool = False, **options):
     return load_model(gguf, "float32", kernels=ops, quantization="gguf-q8" if quantize_activations else "gguf")
 
 
-def _run_steps(model, info, steps: list[list[ScheduledSeq]], use_stack: bool) -> tuple[list[torch.Tensor], list]:
+def _run_steps(model, info, steps: list[list[ScheduledSeq]], use_stack: bool,
+               trim: bool = False) -> tuple[list[torch.Tensor], list]:
     """Run `steps` through the model on a fresh pool, with the stack or the per-layer loop; returns every
-    step's hidden states and the pool afterwards."""
+    step's hidden states (with `trim`, of the tokens that need logits alone, as the runner asks) and the
+    pool afterwards."""
     ops = model.ops
     kv = ops.allocate_kv(KVSpec(num_layers=info.num_layers, num_blocks=64, block_size=BLOCK,
                                 num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=torch.float32,
@@ -42,7 +44,8 @@ def _run_steps(model, info, steps: list[list[ScheduledSeq]], use_stack: bool) ->
     with torch.inference_mode(), contextlib.nullcontext() if use_stack else model.per_layer_loop():
         for seqs in steps:
             batch = ops.prepare(seqs, BLOCK)
-            outs.append(model(batch.input_ids, batch.positions, kv, batch.meta).clone())
+            rows = batch.logits_indices if trim else None
+            outs.append(model(batch.input_ids, batch.positions, kv, batch.meta, rows).clone())
     return outs, kv
 
 
@@ -83,6 +86,31 @@ def test_stack_equals_the_layer_loop_bit_for_bit(variant, tmp_path):
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(kv_loop, kv_stack, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-q4_1", "llama-q8-activations"])
+def test_last_layer_trimmed_to_the_logits_rows(variant, tmp_path):
+    """With the rows that need logits, the stack runs all but the last layer and the last layer's output
+    projection and MLP take those rows alone: the same as the per-layer loop's trimmed step bit for bit,
+    the untrimmed step's rows up to float rounding (fewer rows may take another kernel), and the pool the
+    same bit for bit. The steps include one where a prompt's chunk needs no logits, and one where none does."""
+    model, info = _model(tmp_path, **VARIANTS[variant])
+    steps = _mixed_steps(info.vocab_size)
+    steps.insert(1, [ScheduledSeq("4", list(range(3, 10)), 0, list(range(40, 48)), False)])  # no logits at all
+    full, kv_full = _run_steps(model, info, steps, use_stack=True)
+    looped, kv_loop = _run_steps(model, info, steps, use_stack=False, trim=True)
+    stacked, kv_stack = _run_steps(model, info, steps, use_stack=True, trim=True)
+    for seqs, a, b, c in zip(steps, full, looped, stacked, strict=True):
+        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+        rows = ends[torch.tensor([s.needs_logits for s in seqs])]
+        assert b.shape == (len(rows), a.shape[1])
+        assert torch.equal(b, c)
+        # 8-bit activations: a call of few rows may compute in float32 where many rows quantize x
+        # (troupe_qmm.q8_path), so the trimmed rows differ from the full step's by x's 8-bit rounding
+        tol = 0.05 if VARIANTS[variant].get("quantize_activations") else 1e-4
+        torch.testing.assert_close(c, a[rows], atol=tol, rtol=tol)
+    for (k1, v1), (k2, v2), (k3, v3) in zip(kv_full, kv_loop, kv_stack, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k1, k3) and torch.equal(v1, v3)
 
 
 def test_stack_stays_out_where_it_does_not_apply(tmp_path, monkeypatch):

@@ -30,9 +30,10 @@ def hf_logits(folder: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
         return [hf(torch.tensor([p])).logits[0] for p in prompts]
 
 
-def troupe_all_logits(folder: Path, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
-    """All prompts in one flattened step straight through `LlamaModel` and its (eager) kernel set, logits at
-    every position."""
+def troupe_all_logits(folder: Path, prompts: list[list[int]], block_size: int = 4,
+                      rows: list[int] | None = None) -> tuple[torch.Tensor, list]:
+    """All prompts in one flattened step straight through `LlamaModel` and its (eager) kernel set: logits at
+    every position (or at the step's token indices `rows`, passed to the model), and the KV pool."""
     model, info = load_model(folder, "float32")
     need = [-(-len(p) // block_size) for p in prompts]
     tables = [list(range(sum(need[:i]), sum(need[: i + 1]))) for i in range(len(prompts))]
@@ -43,7 +44,7 @@ def troupe_all_logits(folder: Path, prompts: list[list[int]], block_size: int = 
     batch = ops.prepare([ScheduledSeq(str(i), p, 0, t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))],
                         block_size)
     with torch.inference_mode():
-        return model.compute_logits(model(batch.input_ids, batch.positions, kv, batch.meta))
+        return model.compute_logits(model(batch.input_ids, batch.positions, kv, batch.meta, rows)), kv
 
 
 TINY_VARIANTS = {
@@ -71,10 +72,30 @@ def test_tiny_model_matches_transformers_at_every_position(variant, tmp_path):
     """Prompts of different lengths in one flattened step give transformers' logits at every position
     (Llama tied/untied with GQA/MHA, llama3 and linear rope scaling, Qwen2 q/k/v biases, Mistral)."""
     folder = make_tiny_model(tmp_path / variant, **TINY_VARIANTS[variant])
-    ours = troupe_all_logits(folder, PROMPTS)
+    ours, _ = troupe_all_logits(folder, PROMPTS)
     ref = torch.cat(hf_logits(folder, PROMPTS))
     assert ref.abs().max() > 1.0  # logits are not trivially small
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2-bias", "llama-untied-mha"])
+def test_last_layer_trimmed_to_the_logits_rows(variant, tmp_path):
+    """`rows` (the tokens that need logits) runs the last layer's output projection and MLP on those rows
+    alone: their logits are still transformers', every token's K/V is written as without it, and a step
+    with no such row returns none."""
+    folder = make_tiny_model(tmp_path / variant, **TINY_VARIANTS[variant])
+    ends = [sum(len(p) for p in PROMPTS[: i + 1]) - 1 for i in range(len(PROMPTS))]  # each prompt's last token
+    rows = [ends[0], ends[1], ends[3]]  # the third prompt (1 token) needs none
+    full, kv_full = troupe_all_logits(folder, PROMPTS)
+    trimmed, kv_trimmed = troupe_all_logits(folder, PROMPTS, rows=rows)
+    ref = hf_logits(folder, PROMPTS)
+    assert trimmed.shape == (3, ref[0].shape[-1])
+    torch.testing.assert_close(trimmed, torch.stack([ref[i][-1] for i in (0, 1, 3)]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(trimmed, full[rows], atol=1e-5, rtol=1e-5)
+    none, kv_none = troupe_all_logits(folder, PROMPTS, rows=[])
+    assert none.shape == (0, ref[0].shape[-1])
+    for (k1, v1), (k2, v2), (k3, v3) in zip(kv_full, kv_trimmed, kv_none, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k1, k3) and torch.equal(v1, v3)
 
 
 def test_model_info_reads_config_and_eos_ids(tmp_path):
@@ -192,7 +213,7 @@ def test_broken_folder_raises_model_load_error_naming_the_problem(case, tmp_path
 def test_sharded_folder_with_index_loads(tmp_path):
     """Weights split over two safetensors files with an index load as one model."""
     folder = make_tiny_model(tmp_path / "m")
-    expected = troupe_all_logits(folder, PROMPTS[:2])
+    expected = troupe_all_logits(folder, PROMPTS[:2])[0]
     _break_sharded_index(folder)
     w = load_file(folder / "model-00001-of-00002.safetensors")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -202,7 +223,7 @@ def test_sharded_folder_with_index_loads(tmp_path):
         folder / "model-00002-of-00002.safetensors",
     )
     assert len(w) == 5
-    torch.testing.assert_close(troupe_all_logits(folder, PROMPTS[:2]), expected, atol=0, rtol=0)
+    torch.testing.assert_close(troupe_all_logits(folder, PROMPTS[:2])[0], expected, atol=0, rtol=0)
 
 
 def test_folder_without_tokenizer_raises(tmp_path):

@@ -104,7 +104,7 @@ def _free(model: Any, kernels: Any, seqs: Any, block_size: int, kv: Any, attenti
 
                     setattr(layer, name, capture)
                     saved.append((layer, name, op))
-            model(batch.input_ids, batch.positions, kv, batch.meta)
+            model(batch.input_ids, batch.positions, kv, batch.meta, batch.logits_indices)
             for layer, name, _ in saved:
                 setattr(layer, name, lambda x, out=captured[(layer, name)]: out)
             if attention:
@@ -215,7 +215,7 @@ def _measure_rounds(core: Any, run_round: Callable[[], tuple[list[float], Callab
             @torch.inference_mode()
             def forward(seqs: Any = seqs) -> None:
                 b = runner.kernels.prepare(seqs, runner.block_size)
-                model(b.input_ids, b.positions, runner.kv_caches, b.meta)
+                model(b.input_ids, b.positions, runner.kv_caches, b.meta, b.logits_indices)
 
             def prepare(seqs: Any = seqs) -> None:
                 runner.kernels.prepare(seqs, runner.block_size)

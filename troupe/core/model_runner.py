@@ -165,10 +165,11 @@ class ModelRunner:
         """Run one step; returns (num seqs with needs_logits, vocab) float32 logits, in order.
 
         1. The kernel set flattens the step (token ids, positions, attention metadata) on its device.
-        2. The model runs over every new token, writing K/V into the pool; a decode step padded to a
-           captured size replays its CUDA graph instead.
-        3. The LM head runs on the last token of each seq that needs logits; logits come back on the CPU,
-           or stay on the GPU for the device sampler.
+        2. The model runs over every new token, writing K/V into the pool, and returns the final hidden
+           states of the tokens that need logits (its last layer's MLP runs on those alone); a decode step
+           padded to a captured size replays its CUDA graph instead.
+        3. The LM head runs on those rows (the last token of each seq that needs logits, or a whole chunk
+           for prompt logprobs); logits come back on the CPU, or stay on the GPU for the device sampler.
         """
         n_out = sum(len(s.token_ids) if s.prompt_logits else s.needs_logits for s in seqs)
         if self.model is None:
@@ -183,9 +184,8 @@ class ModelRunner:
         if self.graphs is not None and size in self.graphs.graphs:
             hidden = self.graphs.replay(batch)  # (N, hidden): every row of a graph step is sampled
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # (T, hidden)
-            hidden = hidden[batch.logits_indices if n_out == len(batch.logits_indices) else
-                            _logits_rows(seqs)]  # (N, hidden)
+            rows = batch.logits_indices if n_out == len(batch.logits_indices) else _logits_rows(seqs)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, rows)  # (N, hidden)
         logits = self.model.compute_logits(hidden)  # (N, vocab)
         return logits if self.device.type == "cuda" else logits.cpu()
 
