@@ -131,4 +131,18 @@ def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch
     assert data["info"]["troupe"]["aten_cpu_capability"] == "AVX2"
     assert data["info"]["transformers"]["aten_cpu_capability"] == "AVX2"
     assert data["medians"]["troupe"]["offline_tok_s"] > 0
+    assert any(n.startswith("compiled CPU kernels ready before the rounds (avx2 build") for n in data["notes"])
     assert not any(key in os.environ for key in AVX2_ENV)
+
+
+def test_cpu_kernels_are_built_before_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness builds (or loads from the cache) the compiled kernels in a process of its own, so no
+    worker's start-up or peak RSS holds a compile; where they cannot build, the note says the cpu configs
+    run the eager kernels."""
+    from troupe.kernels.cpu import available
+
+    if not available():
+        pytest.skip("the compiled CPU kernels do not build here")
+    assert harness.prebuild_cpu_kernels().startswith("compiled CPU kernels ready before the rounds")
+    monkeypatch.setenv("CXX", "no-such-compiler")  # `build` looks for the compiler before its cache
+    assert harness.prebuild_cpu_kernels().startswith("compiled CPU kernels unavailable here")

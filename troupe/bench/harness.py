@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from troupe.bench import engines as eng
-from troupe.bench.peers import AVX2_ENV, WorkerError, run_worker
+from troupe.bench.peers import AVX2_ENV, WorkerError, run_worker, stop_group
 from troupe.bench.report import Report
 from troupe.bench.serving import free_port, serve_once
 
@@ -200,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         print(f"troupe bench: {', '.join(report.engines)}; parts {','.join(args.parts)}; {args.repeats} round(s); "
               f"logs in {workdir}", file=sys.stderr, flush=True)
+        report.notes.append(prebuild_cpu_kernels())
         for rnd in range(args.repeats):
             for engine in [*troupe_side, *baselines]:
                 failures += run_round(engine, rnd, args, spec, report, workdir)
@@ -231,6 +233,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     return 130 if interrupted else 1 if failures else 0
+
+
+def prebuild_cpu_kernels(timeout: float = 900.0) -> str:
+    """Build (or find in the cache) troupe's compiled CPU kernels for this run's ISA, in a process of its
+    own, before any worker starts; returns a note saying which. A first use compiles them (tens of seconds
+    of g++ in the engine's process tree), and a worker that did that would report the compile as start-up
+    and the compiler's memory as the engine's peak RSS; the workers find them cached instead."""
+    code = "import sys; from troupe.kernels.cpu import available; sys.exit(0 if available() else 3)"
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        returncode = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return f"compiled CPU kernels: no build within {timeout:.0f} s before the rounds; the first worker builds them"
+    finally:
+        stop_group(proc)  # the compiler's processes too, on a timeout or Ctrl-C
+    seconds = time.perf_counter() - start
+    if returncode != 0:
+        return "compiled CPU kernels unavailable here: troupe's cpu configs run the eager torch kernels"
+    return (f"compiled CPU kernels ready before the rounds ({os.environ.get('TROUPE_CPU_ISA', 'native')} build, "
+            f"{seconds:.1f} s to build or load): no worker's start-up or RSS includes a compile")
 
 
 def _cpu_name() -> str:
