@@ -198,6 +198,36 @@ def check_q8(qtype: QType) -> None:
         assert rel_err(no_bias, reference_q8(x).double() @ ref.T) < 1e-5, f"{qtype.name}: GEMM without bias"
 
 
+def cpu_vendor() -> str:
+    """The running CPU's vendor_id (/proc/cpuinfo): GenuineIntel, AuthenticAMD, ..."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def check_q8_tables() -> None:
+    """The q8 mode's by-M tables (qmatmul_q8.cpp `ByM`): AVX2 builds on AMD CPUs take the integer rows
+    kernel for 1-2 rows (measured faster there), every other build and CPU the exact float path up to 4
+    rows; then the GEMM, or for a format without it (Q6_K) the rows kernel up to 4 rows (integer first)
+    or the float path (float first)."""
+    avx512 = build_isa() == "native" and "avx512f" in cpu_flags()
+    integer_first = not avx512 and cpu_vendor() == "AuthenticAMD"
+    assert ops().q8_table() == int(integer_first)
+    want = {
+        True: {QType.Q4_1: [0, 0, 1, 1, 1, 1], QType.Q6_K: [0, 0, 0, 0, -1, -1]},
+        False: {QType.Q4_1: [-1, -1, -1, -1, 1, 1], QType.Q6_K: [-1, -1, -1, -1, -1, -1]},
+    }
+    for table, by_format in want.items():
+        for qtype, paths in by_format.items():
+            got = [ops().q8_path_with(int(qtype), m, table) for m in (1, 2, 3, 4, 5, 64)]
+            assert got == paths, f"{qtype.name}, integer first {table}: {got}"
+            if table == integer_first:
+                assert got == [ops().q8_path(int(qtype), m) for m in (1, 2, 3, 4, 5, 64)]
+    assert ops().q8_path_with(int(QType.F16), 1, True) == -1  # float formats: the float path
+
+
 def wide_weight(qtype: QType) -> QuantizedTensor:
     """(300, 1536) in `qtype`: more weight rows than one tile of the GEMM holds at this K."""
     w = random_quantized(qtype, 300, 1536, torch.Generator().manual_seed(7))
@@ -257,6 +287,7 @@ def main() -> None:
     for qtype in INTEGER_FORMATS:
         check_q8(qtype)
     check_quantize_q8()
+    check_q8_tables()
     check_float_formats_in_q8_mode()
     check_bad_arguments()
     from troupe.kernels.cpu.build import isa

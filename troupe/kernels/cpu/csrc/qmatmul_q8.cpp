@@ -3,11 +3,11 @@
 // - the tiled GEMM (q8_gemm.h), for batches (by M: see qmatmul_linear_q8): weight tiles unpacked to bytes once
 //   per call, register-blocked integer dot products; every format but Q6_K (per-16 scales), and Q8_0 only
 //   where the CPU has VNNI;
-// - the rows kernel (below), for fewer rows, and formats without the GEMM up to Q8_MAX_M rows: each weight
+// - the rows kernel (below), for fewer rows where it pays (AVX2 builds on AMD CPUs: see ByM): each weight
 //   block decoded to bytes once per group of up to 4 rows of x and multiplied into all of them; N split
 //   across threads.
-// Anything else (Q6_K batches, Q8_0 batches without VNNI, the float formats F32/F16/BF16) takes the
-// output-exact float path (qmatmul.cpp). docs/kernels.md has the measured crossovers.
+// Anything else (a few rows elsewhere, Q6_K batches, Q8_0 batches without VNNI, the float formats
+// F32/F16/BF16) takes the output-exact float path (qmatmul.cpp). docs/kernels.md has the measured crossovers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,20 +28,34 @@ namespace {
 using namespace troupe_quant;
 
 constexpr int64_t Q8_ROWS = 4;  // rows of x per pass over the weights
-// The by-M choice (measured in model order, 2 threads; docs/kernels.md). AVX-512: the float rows path up
-// to 4 rows (its in-register lookup decode streams the weights faster than either integer kernel there,
-// and is exact), then the GEMM. AVX2 (AMD EPYC, AVX-512 absent): the float decode costs more than the
-// integer one at every M, so the rows kernel takes 1-2 rows (the default model at M = 1: 0.83 of the
-// float rows path's time, Q4_K 0.60), the GEMM from 3; formats without the GEMM the rows kernel up to 4.
+
+// The by-M choice (measured in model order, 2 threads; docs/kernels.md), in rows of x:
+struct ByM {
+  int64_t float_rows_max_m;  // the float rows path up to this M
+  int64_t q8_rows_first_m;   // then the rows kernel up to this M, before the GEMM
+  int64_t q8_max_m;          // formats without the GEMM: the rows kernel up to this M, then the float path
+};
+// The float rows path up to 4 rows (exact, and it streams the weights faster than either integer kernel
+// there), then the GEMM: AVX-512 builds (their in-register lookup decode), and AVX2 builds on Intel CPUs
+// (two Xeons held to AVX2: the rows kernel took 1.45x / 2.25x the float path's time at M = 1 / 2, the
+// float path at M = 4 0.94x the GEMM's; their vector ALU ports are fewer than Zen's).
+constexpr ByM FLOAT_FIRST{4, 0, 0};
+// AVX2 builds on AMD CPUs (the issue-13 machine, an EPYC with AVX-512 hidden): the float decode costs more
+// than the integer one at every M, so the rows kernel takes 1-2 rows (the default model at M = 1: 0.83 of
+// the float rows path's time, Q4_K 0.60), the GEMM from 3; formats without the GEMM the rows kernel up to 4.
+constexpr ByM INTEGER_FIRST{0, 2, 4};
+
+const ByM& by_m_here() {
 #if defined(__AVX512F__)
-constexpr int64_t FLOAT_ROWS_MAX_M = 4;  // the float rows path up to this M
-constexpr int64_t Q8_ROWS_FIRST_M = 0;  // the rows kernel up to this M, before the GEMM
-constexpr int64_t Q8_MAX_M = 0;  // formats without the GEMM: the rows kernel up to this M (here never)
+  return FLOAT_FIRST;
 #else
-constexpr int64_t FLOAT_ROWS_MAX_M = 0;
-constexpr int64_t Q8_ROWS_FIRST_M = 2;
-constexpr int64_t Q8_MAX_M = 4;
+  static const ByM table = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? INTEGER_FIRST : FLOAT_FIRST;
+  }();
+  return table;
 #endif
+}
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -148,13 +162,13 @@ void q8_linear(const int8_t* xq, const float* xd, const float* xds, int64_t M, i
   });
 }
 
-// The kernel the by-M choice takes for M rows: -1 the output-exact float path, 0 the rows kernel, 1 the
-// GEMM. Up to FLOAT_ROWS_MAX_M rows the float rows path, then up to Q8_ROWS_FIRST_M the rows kernel, then
-// the GEMM where the format has one, else the rows kernel up to Q8_MAX_M rows, else the float path; the
+// The kernel the by-M choice `t` takes for M rows: -1 the output-exact float path, 0 the rows kernel, 1 the
+// GEMM. Up to float_rows_max_m rows the float rows path, then up to q8_rows_first_m the rows kernel, then
+// the GEMM where the format has one, else the rows kernel up to q8_max_m rows, else the float path; the
 // float formats (`integer` false: no integer kernels): the float path. `gemm`: the format has the GEMM here.
-int64_t path_by_m(bool integer, bool gemm, int64_t M) {
-  if (!integer || M <= FLOAT_ROWS_MAX_M) return -1;
-  return M <= Q8_ROWS_FIRST_M ? 0 : gemm ? 1 : (M <= Q8_MAX_M ? 0 : -1);
+int64_t path_by_m(bool integer, bool gemm, int64_t M, const ByM& t = by_m_here()) {
+  if (!integer || M <= t.float_rows_max_m) return -1;
+  return M <= t.q8_rows_first_m ? 0 : gemm ? 1 : (M <= t.q8_max_m ? 0 : -1);
 }
 
 // The format's (integer, gemm) on this build.
@@ -166,10 +180,19 @@ std::pair<bool, bool> q8_kernels(int64_t qtype) {
 
 }  // namespace
 
-// The by-M choice for format qtype (path_by_m), for tests
+// The by-M choice for format qtype on this machine (path_by_m), for tests
 int64_t q8_path(int64_t qtype, int64_t M) {
   const auto [integer, gemm] = q8_kernels(qtype);
   return path_by_m(integer, gemm, M);
+}
+
+// Which table this machine's choice uses: 1 integer first (AVX2 builds on AMD), 0 float first; and the
+// choice under a given table (`integer_first`), for tests on any machine
+int64_t q8_table() { return &by_m_here() == &INTEGER_FIRST ? 1 : 0; }
+
+int64_t q8_path_with(int64_t qtype, int64_t M, bool integer_first) {
+  const auto [integer, gemm] = q8_kernels(qtype);
+  return path_by_m(integer, gemm, M, integer_first ? INTEGER_FIRST : FLOAT_FIRST);
 }
 
 // The projection with 8-bit activations; `path` -1: by M (path_by_m), 0: the rows kernel whatever M, 1: the
@@ -226,4 +249,6 @@ TORCH_LIBRARY_FRAGMENT(troupe_qmm, m) {
   m.def("linear_q8(Tensor x, Tensor w, int qtype, Tensor? bias, int path) -> Tensor", &qmatmul_linear_q8);
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &qmatmul_quantize_q8);
   m.def("q8_path(int qtype, int m) -> int", &q8_path);
+  m.def("q8_table() -> int", &q8_table);
+  m.def("q8_path_with(int qtype, int m, bool integer_first) -> int", &q8_path_with);
 }
