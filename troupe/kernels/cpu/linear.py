@@ -2,9 +2,9 @@
 
 - `linear(weight, bias)`: a `QuantizedTensor` (any `QType`) computes on its blocks with
   `torch.ops.troupe_qmm.linear` (float32 activations: the output-exact mode, `quantization="gguf"`) or
-  `linear_q8` (8-bit activations, `"gguf-q8"`: integer dot products, a rows kernel for decode and a tiled
-  integer GEMM for larger batches; formats without an integer GEMM take the float path for large batches,
-  csrc/qmatmul_q8.cpp). Dense weights (Hugging Face folders, F32 GGUF tensors, `"dequantize"`) keep the
+  `linear_q8` (8-bit activations, `"gguf-q8"`: a tiled integer GEMM for batches; decode steps of a few
+  rows on the exact float path, or on an integer rows kernel where that is the faster (AVX2 builds on AMD
+  CPUs); formats without an integer GEMM take the float path for large batches; csrc/qmatmul_q8.cpp). Dense weights (Hugging Face folders, F32 GGUF tensors, `"dequantize"`) keep the
   eager set's oneDNN-packed float32 projection, which the compiled float kernels only match (docs/kernels.md).
 - The blocks a projection computes on are moved into the set's `WeightArena` (`arena.py`: huge-page
   memory, in binding order) when the projection is made; a tied embedding follows its head there.
