@@ -109,8 +109,8 @@ def test_kernels_q8_activations(qtype: QType) -> None:
 
 @needs_build
 def test_kernels_q8_quantization_float_formats_and_errors() -> None:
-    """The activation quantizer matches its reference; the by-M tables; float formats stay exact in q8 mode; bad arguments
-    are errors naming what is wrong."""
+    """The activation quantizer matches its reference; the by-M tables; float formats stay exact in q8
+    mode; bad arguments are errors naming what is wrong."""
     cases.check_quantize_q8()
     cases.check_q8_tables()
     cases.check_float_formats_in_q8_mode()

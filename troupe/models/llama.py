@@ -133,7 +133,7 @@ class DecoderLayer(nn.Module):
                 return x.new_empty((0, x.shape[1])), residual.new_empty((0, x.shape[1]))
             o, residual = o[rows], residual[rows]  # (N, H * D), (N, hidden): copies
         h, residual = ops.add_rms_norm(self.o_proj(o), residual, self.post_norm, eps)
-        return self.down(ops.silu_and_mul(self.gate_up(h))), residual  # (T, hidden) each
+        return self.down(ops.silu_and_mul(self.gate_up(h))), residual  # (T or N, hidden) each
 
 
 class LlamaModel(nn.Module):

@@ -49,11 +49,11 @@ const ByM& by_m_here() {
 #if defined(__AVX512F__)
   return FLOAT_FIRST;
 #else
-  static const ByM table = [] {
+  static const ByM* const table = [] {  // one of the two tables itself (q8_table compares addresses)
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? INTEGER_FIRST : FLOAT_FIRST;
+    return __builtin_cpu_is("amd") ? &INTEGER_FIRST : &FLOAT_FIRST;
   }();
-  return table;
+  return *table;
 #endif
 }
 
