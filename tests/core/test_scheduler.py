@@ -309,7 +309,10 @@ def test_stats_snapshot() -> None:
 @pytest.mark.parametrize(("policy", "seed"), [("fcfs", 0), ("priority", 1)])
 def test_random_workload_leaks_nothing(policy: str, seed: int) -> None:
     """1,000 random requests with shared prefixes, random aborts and tokens on a small pool: every
-    step's KV reads see exactly the request's tokens, and at the end every block is free."""
+    step's KV reads see exactly the request's tokens, and at the end every block is free. The
+    first eight requests are fixed, never aborted and run to max_tokens: they share a 16-token
+    prefix (later ones hit the cache) and need 80 blocks together against 23 (the pool preempts), so
+    both paths run under the checks whatever the generator draws."""
     rng = random.Random(seed)
     bs = 4
     sched = make_scheduler(num_blocks=24, block_size=bs, max_num_seqs=8, max_num_batched_tokens=32,
@@ -323,6 +326,9 @@ def test_random_workload_leaks_nothing(policy: str, seed: int) -> None:
         prompt = rng.choice(prefixes)[:rng.randrange(0, 24)] + tail
         pending.append(make_request(prompt, max_tokens=rng.randrange(1, 20), priority=rng.randrange(3),
                                     min_tokens=rng.choice([0, 0, 1])))
+    shared = prefixes[0][:4] * 4
+    lead = [make_request(shared + [40 + i] * 4, max_tokens=19, min_tokens=19, priority=1) for i in range(8)]
+    pending += reversed(lead)  # popped first
     live: list[Request] = []
     for _ in range(100_000):
         if not pending and not sched.has_unfinished_requests():
@@ -343,8 +349,9 @@ def test_random_workload_leaks_nothing(policy: str, seed: int) -> None:
             assert seen == list(enumerate(req.all_token_ids[:end]))
             if seq.needs_logits:
                 sampled[seq.request_id] = rng.choice([EOS, 5, 6, 7, 8, 9, 10, 11])
-        if rng.random() < 0.2 and live:  # abort mid-step, before the output arrives
-            sched.finish_requests(rng.choice(live).request_id)
+        abortable = [r for r in live if r not in lead]
+        if rng.random() < 0.2 and abortable:  # abort mid-step, before the output arrives
+            sched.finish_requests(rng.choice(abortable).request_id)
         sched.update_from_output(out, sampled)
         live = [r for r in live if not r.is_finished]
         held = [b for t in kv._tables.values() for b in t]
@@ -353,5 +360,6 @@ def test_random_workload_leaks_nothing(policy: str, seed: int) -> None:
     assert not pending and not sched.has_unfinished_requests()
     assert sched.num_running == sched.num_waiting == 0
     assert kv.num_free_blocks == kv.num_usable_blocks and not any(kv.ref_cnt)
-    assert sched.num_preemptions > 0 and kv.prefix_hits > 0
+    assert sched.num_preemptions > 0 and kv.prefix_hits > 0  # the fixed lead's, by construction
+    assert all(r.num_output_tokens == 19 for r in lead)
     assert kv.reset_prefix_cache()

@@ -19,7 +19,10 @@ priority. Cases run in batches, all at once through the `AsyncLLM` behind the `L
 - and after each batch the engine is healthy.
 
 `test_every_field_alone` sweeps each field's edge values one at a time (deterministic coverage);
-`test_random_combinations` draws combinations with hypothesis (derandomized, bounded).
+`test_random_combinations` draws combinations with hypothesis (derandomized, bounded) on top of an
+explicit batch (`MIXED`) that holds, by construction, a case of each outcome the test promises: a
+stop, a length, an invalid field refused at construction and one refused at submission. No
+assertion counts what the generator happened to draw.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from troupe import (
@@ -75,7 +78,7 @@ FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "seed": ([None, -1, 0, 1, 12345, I64 - 1, -I64, -2], [I64, -I64 - 1, 2**70, 1.5, True, "7"]),
     "stop": ([None, [], *STOP_STRINGS, [" the", "."], ("\n", "is"), "é"],
              ["", [""], 5, [5], [None], {"a": 1}, "\ud800", ["ok", "a\udc80"]]),
-    "stop_token_ids": ([None, [], [2], [28, 30], [216], [VOCAB - 1], COMMON_IDS],
+    "stop_token_ids": ([None, [], [2], [28, 30], [216], [VOCAB - 1], [7777], COMMON_IDS],
                        [[-1], [VOCAB], [2**64], [True], "1", 5, [1.0]]),
     "ignore_eos": ([False, True], [0, 1, None, "yes"]),
     "max_tokens": ([1, 2, 3, 4, 5, 6, None], [0, -1, I64, 1.0, True, "3"]),
@@ -352,20 +355,30 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 EXAMPLES = 100
+# One explicit batch with every outcome the test promises, whatever hypothesis draws: a stop (the
+# only allowed token is a stop id), a length (EOS ignored), an invalid field refused at construction
+# and one set after construction and refused at submission.
+MIXED = [
+    Case(PROMPTS[0], {"allowed_token_ids": [7777], "stop_token_ids": [7777], "max_tokens": 4}, set()),
+    Case(PROMPTS[1], {"max_tokens": 3, "ignore_eos": True, "temperature": 0.0}, set()),
+    Case(PROMPTS[2], {"max_tokens": 2, "top_p": math.nan}, {"top_p"}),
+    Case(PROMPTS[3], {"max_tokens": 2}, {"min_p"}, mutate={"min_p": 1.01}),
+]
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None, print_blob=True,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 @given(batch=st.lists(cases(), min_size=1, max_size=8))
+@example(batch=MIXED)
 def _combinations(llm: LLM, tokenizer: Any, batch: list[Case]) -> None:
     run_batch(llm, tokenizer, batch)
 
 
 def test_random_combinations(llm: LLM, tokenizer: Any) -> None:
     """Random combinations of every field's valid and invalid values (hypothesis, derandomized:
-    EXAMPLES batches of up to 8, each one engine round): each ends as its parameters promise, or is
-    refused naming a field that made it invalid; a few hundred cases, both kinds and both finish
-    reasons; the engine is idle and healthy after all of them."""
+    EXAMPLES batches of up to 8, each one engine round) after the explicit `MIXED` batch: each
+    ends as its parameters promise, or is refused naming a field that made it invalid; `MIXED` ended
+    with its four outcomes; the engine is idle and healthy after all of them."""
     started, before = time.monotonic(), dataclasses.replace(TOTALS, finish=dict(TOTALS.finish))
     _combinations(llm, tokenizer)
     cases, valid, invalid = (TOTALS.cases - before.cases, TOTALS.valid - before.valid,
@@ -373,8 +386,12 @@ def test_random_combinations(llm: LLM, tokenizer: Any) -> None:
     finish = {k: v - before.finish.get(k, 0) for k, v in TOTALS.finish.items()}
     print(f"\nhypothesis: {TOTALS.batches - before.batches} batches, {cases} cases ({valid} valid, "
           f"{invalid} invalid), finish reasons {finish}, in {time.monotonic() - started:.1f} s")
-    assert cases >= 200 and valid >= 100 and invalid >= 50, TOTALS
-    assert finish.get("stop", 0) >= 10 and finish.get("length", 0) >= 10, finish
+    stop, length, refused, refused_late = MIXED
+    assert [o.finish_reason for o in stop.outputs[-1].outputs] == ["stop"]
+    assert stop.outputs[-1].outputs[0].stop_reason == 7777
+    assert [o.finish_reason for o in length.outputs[-1].outputs] == ["length"]
+    assert refused.params is None and refused.error is not None and refused.error.field == "top_p"
+    assert refused_late.params is not None and refused_late.error is not None and refused_late.error.field == "min_p"
     stats = llm.get_stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert llm._engine.num_unfinished_requests == 0 and not llm._engine.errored
