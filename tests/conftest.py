@@ -21,8 +21,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from engines import INFRASTRUCTURE_PIDS, headless_engines
+
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (`-n N`), worker i runs on core i of this process's cores (before torch is
+    imported, so its OpenMP pool and every engine the worker starts size themselves to that core):
+    two workers on two cores then never run four busy threads on two cores."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cores = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and worker[2:].isdigit() and len(cores) > 1:
+        os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+
+
+_pin_xdist_worker()
+
+import torch  # noqa: E402
+from engines import INFRASTRUCTURE_PIDS, headless_engines  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -71,6 +85,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import subprocess
     import sys
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the xdist controller built them before it started the workers
     subprocess.run([sys.executable, "-c", "from troupe.kernels.cpu import available; available()"],
                    capture_output=True, timeout=1800, check=False)
 

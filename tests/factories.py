@@ -5,6 +5,7 @@ folder (`pythonpath = ["tests"]`)."""
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import anyio
@@ -13,6 +14,10 @@ import torch
 from troupe.core.request import Request
 from troupe.messages import AddRequest
 from troupe.sampling_params import SamplingParams
+
+# Torch threads for a test's engine or model: the cores this process may run on, at most 2. Under
+# pytest-xdist each worker holds one core (tests/conftest.py), and two threads on it only wait on each other.
+CORES = min(2, len(os.sched_getaffinity(0)))
 
 EOS = 2
 _ids = itertools.count()

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import jsonschema
 import pytest
+from factories import CORES
 
 from troupe import (
     LLM,
@@ -32,7 +33,7 @@ from troupe.models.loader import load_tokenizer
 pytestmark = pytest.mark.timeout(600)  # engines on the tiny and the default model, grammar compiles
 
 ENGINE: dict[str, Any] = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=48, num_kv_blocks=14,
-                              block_size=8, num_threads=2)
+                              block_size=8, num_threads=CORES)
 SO = StructuredOutputsParams
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -152,7 +153,7 @@ def test_json_outputs_validate_on_the_default_model(tokenizer: Any) -> None:
              for t, s in [(1.0, s) for s in range(6)] + [(0.0, None)]]
     cases += [(city, SamplingParams(temperature=t, seed=s, max_tokens=200, structured_outputs=SO(json_object=True)))
               for t, s in [(0.5, 0), (0.5, 1), (0.0, None)]]  # hotter open-ended JSON can outrun max_tokens
-    with LLM(dtype="float32", max_model_len=512, num_threads=2) as llm:
+    with LLM(dtype="float32", max_model_len=512, num_threads=CORES) as llm:
         outs = llm.generate([c[0] for c in cases], [c[1] for c in cases], use_tqdm=False)
     for out, (_, p) in zip(outs, cases, strict=True):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0]

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import CORES
 
 from troupe import LLM, RequestOutput, SamplingParams
 from troupe.models.default_model import ensure_default_model
@@ -29,7 +30,7 @@ from troupe.models.default_model import ensure_default_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the default model, transformers as the oracle
 
 ATOL = 2e-3  # float32 troupe vs float32 transformers, different summation orders
-ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_threads=2)
+ENGINE: dict[str, Any] = dict(dtype="float32", kv_cache_dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_threads=CORES)
 PREFIX = "Here is a list of the numbers one, two, three, four, five, six, seven, eight, nine and ten. "
 
 
@@ -44,7 +45,7 @@ def model_dir(request: pytest.FixtureRequest, tiny_llama: Path) -> Path:
 def hf(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(CORES)
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import CORES
 from test_hf_equality import LENGTHS, NEW_TOKENS, Oracle, hf_oracle, make_prompts, run_troupe
 
 from troupe.config import EngineConfig
@@ -61,7 +62,7 @@ def check(want: list[list[int]], got: list[list[int]], logits: list[torch.Tensor
     assert all(gap < NEAR_TIE for _, _, gap in found), found
 
 
-BOUNDS: dict[str, Any] = dict(max_model_len=2048, num_threads=2, max_num_batched_tokens=512, num_kv_blocks=512)
+BOUNDS: dict[str, Any] = dict(max_model_len=2048, num_threads=CORES, max_num_batched_tokens=512, num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import CORES
 
 from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
@@ -78,7 +79,7 @@ def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
 def _hf_run(model_dir: Any, prompts: list[list[int]]) -> Oracle:
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(CORES)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
     tokens, top5, logits = [], [], []
     with torch.inference_mode():
@@ -149,7 +150,7 @@ def oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
     return hf_oracle(model_dir, prompts)
 
 
-BASE = dict(dtype="float32", max_model_len=2048, num_threads=2)
+BASE = dict(dtype="float32", max_model_len=2048, num_threads=CORES)
 
 
 @pytest.fixture(params=["eager", "cpu"])
