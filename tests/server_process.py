@@ -25,12 +25,14 @@ STARTUP_TIMEOUT_S = 180.0
 
 class ServerProcess:
     def __init__(self, args: list[str], log_dir: Path, *, api_key: str | None = None,
-                 module: list[str] | None = None, wait_healthy: bool = True) -> None:
+                 module: list[str] | None = None, wait_healthy: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         self.args = args
         self.api_key = api_key
         self.log_dir = log_dir
         self.module = module or ["-m", "troupe.cli", "serve"]
         self.wait_healthy = wait_healthy
+        self.env = {"TROUPE_LOG_FORMAT": "json", **(env or {})}  # JSON lines unless the test says otherwise
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -43,7 +45,7 @@ class ServerProcess:
         cmd = [sys.executable, *self.module, *self.args, "--host", "127.0.0.1", "--port", "0"]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        env = {**os.environ, "TROUPE_LOG_FORMAT": "json"}
+        env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=self._err, env=env)
         try:
             self._wait_ready()

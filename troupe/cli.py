@@ -23,6 +23,7 @@ import anyio
 
 from troupe.config import DEFAULT_MODEL, KERNEL_SETS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from troupe.errors import EngineStartupError
+from troupe.limits import InputLimits
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 from troupe.structured import StructuredOutputsParams
 
@@ -61,6 +62,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--in-process", action="store_true", help="run the EngineCore in this process (debugging)")
+    g.add_argument("--limit", action="append", default=None, metavar="NAME=VALUE",
+                   help="an input limit of one request (repeatable; troupe.limits.InputLimits, docs/reliability.md)")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=1,
                    help="EngineCores behind the DP balancer (each a process with its own model copy)")
     g.add_argument("--data-parallel-size-local", type=int, default=None,
@@ -101,7 +104,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 num_threads=args.num_threads, multiprocess=not args.in_process,
                 data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,
                 data_parallel_address=args.data_parallel_address, data_parallel_backend=args.data_parallel_backend,
-                ray_address=args.ray_address, ray_resources=args.ray_resources)
+                ray_address=args.ray_address, ray_resources=args.ray_resources,
+                input_limits=InputLimits.from_pairs(args.limit or []))
 
 
 def _json_resources(text: str) -> Any:

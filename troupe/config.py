@@ -11,6 +11,7 @@ import importlib.util
 import msgspec
 
 from troupe.errors import InvalidInputError
+from troupe.limits import InputLimits
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
@@ -67,6 +68,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # placement group bundle (custom ones pick the nodes), the same for every rank or one dict per rank
     # --- logging (docs/debugging.md)
     log_stats_interval_s: float | None = 10.0  # the periodic stats line (silent while idle); None: off
+    input_limits: InputLimits = msgspec.field(default_factory=InputLimits)  # per-request bounds (troupe.limits)
     fault_injection: str | None = None  # TEST-ONLY, see troupe/testing/faults.py; None in real use
 
     def __post_init__(self) -> None:

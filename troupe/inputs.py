@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from troupe.errors import InvalidInputError
+from troupe.limits import InputLimits, check_params, check_structured
 from troupe.messages import AddRequest
 from troupe.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -35,6 +36,7 @@ class ModelLimits:
     data_parallel_size: int = 1
     priority_scheduling: bool = False  # the engine honours `priority` (scheduling_policy="priority")
     max_logprobs: int = 20  # EngineConfig.max_logprobs: -1 allows the whole vocabulary
+    inputs: InputLimits = InputLimits()  # the frontend's EngineConfig.input_limits (troupe.limits)
 
 
 def make_request_id(external_id: str) -> str:
@@ -111,7 +113,8 @@ def validate_prompt_ids(ids: list[int], limits: ModelLimits) -> None:
 
 def validate_sampling(params: SamplingParams, limits: ModelLimits) -> None:
     """The checks of `params` that need the model: token ids inside the vocabulary, logprob counts
-    within `max_logprobs`. Raises `InvalidInputError` naming the field."""
+    within `max_logprobs`, list sizes within the input limits. Raises `InvalidInputError` naming the field."""
+    check_params(params, limits.inputs)
     vocab = limits.vocab_size
     for field, ids in (("stop_token_ids", params.stop_token_ids or ()), ("allowed_token_ids",
                        params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or ())):
@@ -132,11 +135,13 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> li
     """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) alone, and after a space
     when that gives a different first token with as many tokens (the word in mid-text)."""
     out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
     for word in words:
         alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         for ids in (alone, spaced):
-            if ids and ids not in out and (ids is alone or (ids[0] != alone[0] and len(ids) == len(alone))):
+            if ids and tuple(ids) not in seen and (ids is alone or (ids[0] != alone[0] and len(ids) == len(alone))):
+                seen.add(tuple(ids))
                 out.append(ids)
         for t in alone + spaced:
             if not 0 <= t < vocab_size:
@@ -164,6 +169,7 @@ def build_request(
     if params.structured_outputs is not None:
         from troupe.structured.backend import validate
 
+        check_structured(params.structured_outputs, limits.inputs)
         validate(params.structured_outputs)
     if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
         raise InvalidInputError("priority", f"must be a signed 64-bit integer, got {priority!r}")

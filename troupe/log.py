@@ -119,6 +119,13 @@ class TroupeBoundLogger(structlog.BoundLoggerBase):
         return level >= _level
 
 
+def console(colors: bool) -> Any:
+    """structlog's console renderer with plain tracebacks: its default, where `rich` is installed
+    (transformers brings it), renders each traceback with every frame's locals, seconds of CPU
+    for a deep one, on whatever thread logs it (the server's event loop among them)."""
+    return structlog.dev.ConsoleRenderer(colors=colors, exception_formatter=structlog.dev.plain_traceback)
+
+
 class _PrintSink(structlog.PrintLogger):
     """structlog's PrintLogger, with a `trace` method."""
 
@@ -164,14 +171,14 @@ def configure_logging(level: str | None = None, fmt: str | None = None, *, force
     factory: Any
     if to_stdlib:
         processors = [*shared, structlog.processors.format_exc_info,
-                      structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)]
+                      structlog.processors.JSONRenderer() if fmt == "json" else console(colors=False)]
         factory = _StdlibSink
     else:
         sink = file if file is not None else sys.stderr
         colors = bool(getattr(sink, "isatty", lambda: False)())
         processors = [*shared,
                       structlog.processors.format_exc_info if fmt == "json" else structlog.dev.set_exc_info,
-                      structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=colors)]
+                      structlog.processors.JSONRenderer() if fmt == "json" else console(colors=colors)]
         factory = lambda *args: _PrintSink(sink)  # noqa: E731
     structlog.configure(
         processors=processors,

@@ -54,6 +54,7 @@ from troupe.config import EngineConfig
 from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineStartupError, first_startup_error
 from troupe.inputs import ModelLimits
+from troupe.limits import InputLimits
 from troupe.testing import faults
 
 log = structlog.get_logger("troupe.graph")
@@ -133,7 +134,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
         self.table.set_tokenizer(self.tokenizer)
         faults.install_frontend(self.table.processor, self.config.fault_injection)  # test-only
-        self.limits = _group_limits([side.ready for side in self.engines])
+        self.limits = _group_limits([side.ready for side in self.engines], self.config.input_limits)
 
     async def _start_frontend(self, tg: TaskGroup, streams: GraphStreams) -> None:
         """Step 3: the balancer (several engines), the output handler, the input processor, then the
@@ -211,8 +212,9 @@ class Graph(anyio.AsyncContextManagerMixin):
                 log.info("engine progressing again", actor=GRAPH)
 
 
-def _group_limits(readies: list[EngineReady]) -> ModelLimits:
-    """What the frontend checks requests against: the engines must serve the same model."""
+def _group_limits(readies: list[EngineReady], inputs: InputLimits) -> ModelLimits:
+    """What the frontend checks requests against: the engines must serve the same model; the input
+    limits are the frontend's own (`EngineConfig.input_limits`), whatever the engines were started with."""
     first = readies[0].limits
     for ready in readies[1:]:
         lim = ready.limits
@@ -223,7 +225,7 @@ def _group_limits(readies: list[EngineReady]) -> ModelLimits:
                                      f"{lim.max_model_len} vs {first.max_model_len})")
     capacities = [r.limits.kv_capacity_tokens for r in readies if r.limits.kv_capacity_tokens is not None]
     return dataclasses.replace(first, data_parallel_size=len(readies),
-                               kv_capacity_tokens=min(capacities) if capacities else None)
+                               kv_capacity_tokens=min(capacities) if capacities else None, inputs=inputs)
 
 
 T = TypeVar("T")

@@ -14,8 +14,9 @@ registered in the `RequestTable`, so no output can overtake it) or with the vali
 (`InvalidInputError`; anything else that fails on one prompt is that request's
 `EngineGenerateError`, and the other submissions go on).
 Short prompts are handled inline, in order; a prompt longer than `offload_chars` is tokenized in a
-worker thread in its own task, so one huge prompt does not hold up the event loop or other
-submissions.
+worker thread in its own task, and so is all of a submission whose checks cost more (`_costly`: a
+structured-output spec, bad words, a request's own chat template), so one huge prompt or schema does
+not hold up the event loop or other submissions.
 
 Logs (`actor=input_processor`): "request submitted" (debug) and "request rejected" (info), each
 with the request's `request_id`, passed on the line (binding it in the context per request costs
@@ -43,10 +44,18 @@ from troupe.inputs import (
     split_prompt,
     tokenize,
 )
-from troupe.messages import AbortRequest, EngineInput, UtilityCall
+from troupe.messages import AbortRequest, AddRequest, EngineInput, UtilityCall
 from troupe.sampling_params import SamplingParams, check_utf8
 
 log = structlog.get_logger("troupe.input")
+
+
+def _costly(sub: Submission) -> bool:
+    """Whether checking the submission costs more than the event loop should spend on it: a
+    structured-output spec (xgrammar parses it), bad words (tokenized), a request's own chat template."""
+    params = sub.params
+    return sub.chat_template is not None or (isinstance(params, SamplingParams) and (
+        params.structured_outputs is not None or bool(params.bad_words)))
 
 
 @dataclass(slots=True)
@@ -122,6 +131,10 @@ class InputProcessor:
                     await self._handle(msg, tg)
 
     async def _handle(self, sub: Submission, tg: TaskGroup) -> None:
+        if _costly(sub):
+            self._offloaded += 1
+            tg.start_soon(self._prepare_then_register, sub)
+            return
         try:
             text, ids = self._prompt_parts(sub)
             if ids is None and text is not None and len(text) > self.offload_chars:
@@ -156,11 +169,37 @@ class InputProcessor:
             return
         await self._send(sub, text, ids)
 
+    def _build(self, sub: Submission, ids: list[int]) -> AddRequest:
+        return build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
+                             external_id=sub.external_id, priority=sub.priority,
+                             data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer)
+
+    def _prepare(self, sub: Submission) -> tuple[str | None, list[int], AddRequest]:
+        text, ids = self._prompt_parts(sub)
+        if ids is None:
+            assert text is not None
+            ids = tokenize(self.tokenizer, text)
+        return text, ids, self._build(sub, ids)
+
+    async def _prepare_then_register(self, sub: Submission) -> None:
+        """A costly submission (see `_costly`): prompt, tokens and checks in a worker thread."""
+        try:
+            text, ids, req = await anyio.to_thread.run_sync(self._prepare, sub)
+        except Exception as exc:
+            self._reject(sub, exc)
+            return
+        await self._register(sub, text, ids, req)
+
     async def _send(self, sub: Submission, text: str | None, ids: list[int]) -> None:
         try:
-            req = build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
-                                external_id=sub.external_id, priority=sub.priority,
-                                data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer)
+            req = self._build(sub, ids)
+        except Exception as exc:
+            self._reject(sub, exc)
+            return
+        await self._register(sub, text, ids, req)
+
+    async def _register(self, sub: Submission, text: str | None, ids: list[int], req: AddRequest) -> None:
+        try:
             if sub.abandoned:
                 return
             sub.stream, to_send = self._table.register(req, text, share_prefill_tokens=self.share_prefill_tokens)

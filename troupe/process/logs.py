@@ -61,7 +61,7 @@ class ForwardToFrontend:
         self._send: MemoryObjectSendStream[EngineLog] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
-        self._fallback = structlog.dev.ConsoleRenderer(colors=False)
+        self._fallback = troupe_log.console(colors=False)
         self.written_locally = 0
 
     def attach(self, send: MemoryObjectSendStream[EngineLog]) -> None:

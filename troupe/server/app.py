@@ -6,7 +6,8 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`
 Structs: `openapi.py`).
 
 1. The lifespan enters `open_engine()` (normally `AsyncLLM(...)`) and holds it while the server runs;
-   leaving it is the engine's usual shutdown cascade.
+   leaving it is the engine's usual shutdown cascade. The event-loop watchdog (`watchdog.py`) runs
+   in the lifespan's task group.
 2. Pure ASGI middleware, outermost first: `X-Request-Id` (validated, or a fresh id; echoed on
    every response) and, with an API key, Bearer authentication on every path but `/health`.
 3. Every error becomes an OpenAI error body through `errors.to_api_error`; unexpected ones are
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -172,12 +174,18 @@ async def detokenize_endpoint(request: Request) -> Response:
     state = server_state(request)
     req = await read_body(request, DetokenizeRequest, state.settings.max_body_bytes)
     state.check_model(req.model)
-    tok = state.engine().get_tokenizer()
+    llm = state.engine()
+    bound = llm.config.input_limits.max_detokenize_tokens
+    if len(req.tokens) > bound:
+        raise bad_request("tokens", f"has {len(req.tokens)} ids; at most {bound} are accepted "
+                                    "(input limit max_detokenize_tokens)")
+    tok = llm.get_tokenizer()
     vocab = len(tok)
     for i, t in enumerate(req.tokens):
         if not 0 <= t < vocab:
             raise bad_request(f"tokens[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
-    return json_response(DetokenizeResponse(prompt=tok.decode(req.tokens)))
+    text = await offload(len(req.tokens), lambda: str(tok.decode(req.tokens)))
+    return json_response(DetokenizeResponse(prompt=text))
 
 
 # ---------------------------------------------------------------------- errors
@@ -206,12 +214,14 @@ def build_app(settings: ServerSettings,
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with open_engine() as llm:
+        async with open_engine() as llm, anyio.create_task_group() as tg:
+            await tg.start(state.watchdog.run)
             state.llm = llm
             try:
                 yield
             finally:
                 state.llm = None
+                tg.cancel_scope.cancel()
 
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),

@@ -72,6 +72,8 @@ def to_api_error(exc: BaseException) -> APIError:
             return exc
         case msgspec.ValidationError():
             return bad_request(_msgspec_param(str(exc)), f"invalid request: {exc}")
+        case RecursionError():  # msgspec's nesting limit, in a free-form field
+            return bad_request(None, "the request body nests objects or arrays too deeply")
         case msgspec.DecodeError():
             return bad_request(None, f"the request body is not valid JSON: {exc}")
         case InvalidInputError():

@@ -48,6 +48,8 @@ def _walk(value: Any, t: msgspec.inspect.Type, path: str, found: list[str]) -> N
             else:
                 _walk(item, declared[key], where, found)
     elif isinstance(t, msgspec.inspect.ListType) and isinstance(value, list):
+        if not _holds_struct(t.item_type):  # token ids, prompts: no key to find, and a million of them
+            return
         for i, item in enumerate(value):
             _walk(item, t.item_type, f"{path}[{i}]", found)
     elif isinstance(t, msgspec.inspect.UnionType):
@@ -56,6 +58,17 @@ def _walk(value: Any, t: msgspec.inspect.Type, path: str, found: list[str]) -> N
                     isinstance(member, msgspec.inspect.ListType) and isinstance(value, list):
                 _walk(value, member, path, found)
                 return
+
+
+def _holds_struct(t: msgspec.inspect.Type) -> bool:
+    """Whether a value of type `t` can hold a Struct (an object with declared keys)."""
+    if isinstance(t, msgspec.inspect.StructType):
+        return True
+    if isinstance(t, msgspec.inspect.ListType):
+        return _holds_struct(t.item_type)
+    if isinstance(t, msgspec.inspect.UnionType):
+        return any(_holds_struct(m) for m in t.types)
+    return False
 
 
 def warn_ignored(fields: list[str], request_id: str) -> None:

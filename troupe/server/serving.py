@@ -32,6 +32,7 @@ from starlette.responses import Response
 
 from troupe.errors import single_error
 from troupe.inputs import render_chat
+from troupe.limits import check_params, check_prompts
 from troupe.outputs import RequestOutput
 from troupe.server.chat import ChatCompletionRequest
 from troupe.server.chat_format import ChatFormat
@@ -46,6 +47,7 @@ T = TypeVar("T")
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
 OFFLOAD_CHARS = 4096  # render / tokenize longer texts in a worker thread
+OFFLOAD_BODY_BYTES = 65_536  # decode larger bodies in a worker thread
 
 
 def server_state(request: Request) -> ServerState:
@@ -87,8 +89,16 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     if decoder is None:
         decoder = _decoders[kind] = msgspec.json.Decoder(kind)
     body = b"".join(chunks)
-    result: T = decoder.decode(body)
-    ignored = unknown_fields(body, kind)
+
+    def decode() -> tuple[T, list[str]]:
+        try:
+            result: T = decoder.decode(body)
+        except RecursionError:
+            raise bad_request(None, "the request body nests objects or arrays too deeply") from None
+        return result, unknown_fields(body, kind)
+
+    # a large body decodes in a worker thread (tens of ms per MB, twice): the loop serves others meanwhile
+    result, ignored = await anyio.to_thread.run_sync(decode) if len(body) > OFFLOAD_BODY_BYTES else decode()
     if ignored:
         warn_ignored(ignored, request.scope["state"]["request_id"])
     return result
@@ -132,6 +142,8 @@ async def create_completion(request: Request) -> Response:
     model = state.check_model(req.model)
     reject_unsupported(req)
     llm = state.engine()
+    check_params(req, llm.config.input_limits)  # before any field is converted
+    check_prompts(req.prompt, llm.config.input_limits)
     params = req.sampling_params(llm.generation_defaults)
     prompts = req.prompts()
     tok = llm.get_tokenizer()
@@ -164,6 +176,7 @@ async def create_chat_completion(request: Request) -> Response:
         raise bad_request("chat_template", "a request's own chat_template needs `troupe serve "
                                            "--trust-request-chat-template`")
     llm = state.engine()
+    check_params(req, llm.config.input_limits)  # before any field is converted
     params = req.sampling_params(llm.generation_defaults)
     messages, template_kwargs = req.template_inputs()
     tok = llm.get_tokenizer()

@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from troupe.errors import EngineDeadError, EngineGenerateError
 from troupe.outputs import RequestOutput
 from troupe.server.errors import to_api_error
 
@@ -105,7 +106,9 @@ class EventStream(Response):
             async for index, item in items:
                 if isinstance(item, Exception):
                     err = to_api_error(item)
-                    if err.status >= 500:
+                    if err.status >= 500 and not isinstance(item, EngineDeadError | EngineGenerateError):
+                        # an unexpected failure; an engine death is logged once by the server's engine
+                        # watch, a request failing in the engine by its canonical line
                         log.error("request failed", status=err.status, error=err.message, exc_info=item)
                     if not started:
                         await _send_error(send, err.status, err.body(), self.raw_headers)

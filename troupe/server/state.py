@@ -25,6 +25,7 @@ from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 from troupe.server.errors import APIError
 from troupe.server.metrics import ServerMetrics
+from troupe.server.watchdog import LoopWatchdog
 
 MAX_BODY_BYTES = 16 * 2**20
 
@@ -80,11 +81,13 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     openapi: bytes | None = None  # the encoded /openapi.json, built on first use
     metrics: ServerMetrics = field(init=False)
+    watchdog: LoopWatchdog = field(init=False)
     _in_flight: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.settings.model_name,
                                      lambda: self.llm.engine_stats if self.llm is not None else {})
+        self.watchdog = LoopWatchdog(self.metrics.registry)
 
     def engine(self) -> EngineClient:
         """The engine, or a 503 when it is dead, not started, or the server is shutting down."""

@@ -85,6 +85,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             tag = _json.loads(text)
         except ValueError as exc:
             raise InvalidInputError("structured_outputs.structural_tag", f"is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidInputError("structured_outputs.structural_tag", "nests objects and arrays too deeply to "
+                                    "parse (input limit max_json_schema_depth)") from None
         if not isinstance(tag, dict) or ("format" not in tag and "structures" not in tag):
             raise InvalidInputError("structured_outputs.structural_tag", 'must be a JSON object with "format" '
                                     f'(a structural tag) or "structures" and "triggers", got {text!r}')
@@ -96,6 +99,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 parsed = _json.loads(schema)
             except ValueError as exc:
                 raise InvalidInputError("structured_outputs.json", f"is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise InvalidInputError("structured_outputs.json", "nests objects and arrays too deeply to parse "
+                                        "(input limit max_json_schema_depth)") from None
             if not isinstance(parsed, dict | bool):
                 raise InvalidInputError("structured_outputs.json", f"must be a JSON schema object, got {schema!r}")
         elif not isinstance(schema, dict):
