@@ -26,11 +26,16 @@ import pytest
 def _pin_xdist_worker() -> None:
     """Under pytest-xdist (`-n N`), worker i runs on core i of this process's cores (before torch is
     imported, so its OpenMP pool and every engine the worker starts size themselves to that core):
-    two workers on two cores then never run four busy threads on two cores."""
+    two workers on two cores then never run four busy threads on two cores. A test that asks for
+    more threads than its core (the kernel tests' thread sweeps) gets them, and OpenMP's passive wait
+    (`OMP_WAIT_POLICY=PASSIVE`, inherited by the engines and subprocesses the worker starts) keeps
+    those threads from spinning on the one core while they wait: spinning, two of the kernel files
+    took 109 s instead of 18."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     cores = sorted(os.sched_getaffinity(0))
     if worker.startswith("gw") and worker[2:].isdigit() and len(cores) > 1:
         os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 _pin_xdist_worker()
