@@ -62,6 +62,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--in-process", action="store_true", help="run the EngineCore in this process (debugging)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=30.0, metavar="S",
+                   help="a structured request whose grammar takes longer to compile fails alone")
     g.add_argument("--limit", action="append", default=None, metavar="NAME=VALUE",
                    help="an input limit of one request (repeatable; troupe.limits.InputLimits, docs/reliability.md)")
     g.add_argument("--data-parallel-size", "--dp", type=int, default=1,
@@ -105,7 +107,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 data_parallel_size=args.data_parallel_size, data_parallel_size_local=args.data_parallel_size_local,
                 data_parallel_address=args.data_parallel_address, data_parallel_backend=args.data_parallel_backend,
                 ray_address=args.ray_address, ray_resources=args.ray_resources,
-                input_limits=InputLimits.from_pairs(args.limit or []))
+                input_limits=InputLimits.from_pairs(args.limit or []),
+                grammar_compile_timeout_s=args.grammar_compile_timeout)
 
 
 def _json_resources(text: str) -> Any:

@@ -68,6 +68,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # placement group bundle (custom ones pick the nodes), the same for every rank or one dict per rank
     # --- logging (docs/debugging.md)
     log_stats_interval_s: float | None = 10.0  # the periodic stats line (silent while idle); None: off
+    grammar_compile_timeout_s: float = 30.0  # a structured request whose grammar takes longer fails alone
     input_limits: InputLimits = msgspec.field(default_factory=InputLimits)  # per-request bounds (troupe.limits)
     fault_injection: str | None = None  # TEST-ONLY, see troupe/testing/faults.py; None in real use
 
@@ -115,6 +116,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidInputError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise InvalidInputError("grammar_compile_timeout_s", f"must be > 0, got {self.grammar_compile_timeout_s}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise InvalidInputError("data_parallel_size", f"must be an integer >= 1, got {self.data_parallel_size!r}")
         local = self.data_parallel_size_local

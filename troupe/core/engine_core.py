@@ -75,7 +75,8 @@ class EngineCore:
         self.sampler = make_sampler(self.runner.device, seed=config.seed, logprobs_mode=config.logprobs_mode)
         model_path = self.runner.model_path
         self.structured = StructuredOutputManager(lambda: load_tokenizer(model_path), self.runner.vocab_size,
-                                                  list(self.runner.info.eos_token_ids))
+                                                  list(self.runner.info.eos_token_ids),
+                                                  compile_timeout_s=config.grammar_compile_timeout_s)
         self._waiting_for_grammar: dict[str, Request] = {}
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
         self._generators: dict[str, torch.Generator] = {}

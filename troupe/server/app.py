@@ -9,7 +9,9 @@ Structs: `openapi.py`).
    leaving it is the engine's usual shutdown cascade. The event-loop watchdog (`watchdog.py`) runs
    in the lifespan's task group.
 2. Pure ASGI middleware, outermost first: `X-Request-Id` (validated, or a fresh id; echoed on
-   every response) and, with an API key, Bearer authentication on every path but `/health`.
+   every response), with `--allowed-hosts` the Host check, and, with an API key, Bearer
+   authentication on every path but `/health`. The HTTP edge below the app (header deadline, the
+   protocol's own 400s) is `edge.py`.
 3. Every error becomes an OpenAI error body through `errors.to_api_error`; unexpected ones are
    also re-raised to the server, which logs them.
 """
@@ -110,6 +112,24 @@ class BearerAuthMiddleware:
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                code="invalid_api_key")
                 return await _send_error(send, err)
+        await self.app(scope, receive, send)
+
+
+class AllowedHostsMiddleware:
+    """With `--allowed-hosts`: a request whose Host header (less its port) is not one of them gets a 400
+    naming `Host` (a DNS-rebinding page reaches a loopback server under its own host name)."""
+
+    def __init__(self, app: ASGIApp, hosts: list[str]) -> None:
+        self.app = app
+        self._hosts = {h.lower() for h in hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
+            name = host[:host.find("]") + 1] if host.startswith("[") else host.partition(":")[0]
+            if name not in self._hosts:
+                return await _send_error(send, bad_request("Host", f"this server answers Host {sorted(self._hosts)}, "
+                                                                    f"not {host!r} (troupe serve --allowed-hosts)"))
         await self.app(scope, receive, send)
 
 
@@ -235,6 +255,8 @@ def build_app(settings: ServerSettings,
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     middleware = [Middleware(RequestIdMiddleware)]
+    if settings.allowed_hosts:
+        middleware.append(Middleware(AllowedHostsMiddleware, hosts=list(settings.allowed_hosts)))
     if settings.api_key:
         middleware.append(Middleware(BearerAuthMiddleware, api_key=settings.api_key))
     handlers: dict[Any, Callable[[Request, Exception], Any]] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -50,7 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients use in `model` (default: the model argument)")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (all but /health)")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (all but /health); default: $TROUPE_API_KEY, else "
+                        "$VLLM_API_KEY")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file (its first line), instead of the command line")
+    g.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="answer only requests whose Host header names one of these (a 400 otherwise)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's head (request line and headers) may take to arrive")
+    g.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request's body may take to arrive once its head has (a 408 past it)")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections at most; past it a request gets a 503")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--exit-on-engine-death-after", type=float, default=2.0,
@@ -141,11 +156,13 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
 
     from troupe.facades.async_llm import AsyncLLM
     from troupe.server.app import build_app
+    from troupe.server.edge import edge_protocol
     from troupe.server.state import ServerSettings
 
     names = args.served_model_name or [engine_options["model"]]
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              max_body_bytes=args.max_request_body_bytes,
+    settings = ServerSettings(served_model_names=names, api_key=api_key(args),
+                              max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.body_timeout,
+                              allowed_hosts=args.allowed_hosts,
                               tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                               trust_request_chat_template=args.trust_request_chat_template)
     app = build_app(settings, lambda: AsyncLLM(**engine_options))
@@ -154,7 +171,8 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
     print(f"troupe serve: http://{host}:{port}", flush=True)
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, lifespan="on", log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=grace + 5.0)
+                            timeout_graceful_shutdown=grace + 5.0, http=edge_protocol(args.header_timeout),
+                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
     run = _Run(app.state.troupe, _server_class()(config), grace)
     async with anyio.create_task_group() as tg:
         tg.start_soon(_on_signals, run)
@@ -167,6 +185,22 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
             sock.close()
             tg.cancel_scope.cancel()
     return run.exit_code
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key: --api-key, else the first line of --api-key-file, else $TROUPE_API_KEY / $VLLM_API_KEY."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("troupe serve: give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as exc:
+            raise SystemExit(f"troupe serve: --api-key-file: {exc}") from None
+        if not key:
+            raise SystemExit(f"troupe serve: --api-key-file: {args.api_key_file} has no key on its first line")
+        return key
+    return args.api_key or os.environ.get("TROUPE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 def serve(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:

@@ -80,11 +80,17 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the body is {declared} bytes; at most {limit} are accepted", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the body is over {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    timeout = server_state(request).settings.body_timeout_s
+    try:
+        with anyio.fail_after(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the body is over {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the body did not arrive within {timeout:g} s (troupe serve --body-timeout)",
+                       code="request_timeout") from None
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.json.Decoder(kind)

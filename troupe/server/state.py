@@ -65,6 +65,8 @@ class ServerSettings:
     served_model_names: Sequence[str]
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 60.0  # a request's body must arrive within this (a 408 past it)
+    allowed_hosts: Sequence[str] | None = None  # Host headers served (None: any)
     tool_call_parser: str | None = "hermes"  # parses tool calls for tool_choice "auto"; None: no parsing
     trust_request_chat_template: bool = False  # may a request bring its own `chat_template`?
 

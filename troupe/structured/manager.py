@@ -1,16 +1,21 @@
 """`StructuredOutputManager`: the engine's structured-output state, off the step path.
 
 Contract (the engine core calls it; nothing here runs on the event loop):
-- `submit(request_id, spec)` starts compiling the spec in the manager's worker thread (or reuses the
+- `submit(request_id, spec)` starts compiling the spec in one of the manager's `THREADS` worker threads
+  (so one slow grammar delays no other), or reuses the
   compilation of an equal spec: compiled grammars are cached by `StructuredOutputsParams.key()`, the
   most recent `CACHE_SIZE` of them). The request waits outside the scheduler until it is ready
   (vLLM's WAITING_FOR_FSM).
 - `poll()` returns the requests whose grammar is ready (each now has a `Matcher`) and those whose
-  compilation failed, with the error text (only that request fails); `wait(timeout)` blocks until one
-  more is done or the timeout passes (the engine calls it only when it has nothing else to run).
+  compilation failed, with the error text (only that request fails), a compilation still running
+  `compile_timeout_s` after its request was submitted among them (the request fails; xgrammar cannot
+  be interrupted, so the compilation runs on into the cache, holding its thread); `wait(timeout)`
+  blocks until one more is done or the timeout passes (the engine calls it only when it has nothing
+  else to run).
 - `matcher(request_id)` is the request's matcher once ready; `forget(request_id)` drops a finished or
-  aborted request (a compilation in flight is left to finish into the cache).
-- `close()` stops the worker thread (also done when the manager is garbage-collected).
+  aborted request (a compilation no other request waits for is cancelled if it has not started, else
+  left to finish into the cache).
+- `close()` stops the worker threads (also done when the manager is garbage-collected).
 
 The compiler (the model's tokenizer and xgrammar's view of its vocabulary) is built in the worker
 thread on first use, so an engine that never sees a structured request never imports xgrammar.
@@ -18,6 +23,8 @@ thread on first use, so an engine that never sees a structured request never imp
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,12 +36,17 @@ from troupe.structured.backend import GrammarCompiler, Matcher
 from troupe.structured.params import StructuredOutputsParams
 
 CACHE_SIZE = 256
+THREADS = 2
 
 
 class StructuredOutputManager:
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
+                 compile_timeout_s: float = 30.0) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self._submitted: dict[str, float] = {}
+        self._compiler_lock = threading.Lock()
         self._stop_token_ids = list(stop_token_ids)
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: GrammarCompiler | None = None
@@ -45,15 +57,16 @@ class StructuredOutputManager:
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="troupe-grammar")
+            self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="troupe-grammar")
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         return self._pool
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
-        if self._compiler is None:  # only the worker thread touches it
-            self._compiler = GrammarCompiler(self._load_tokenizer(), self.vocab_size, self._stop_token_ids)
-        self.num_compiled += 1
-        return self._compiler.compile(spec)
+        with self._compiler_lock:  # built once, by the first worker thread that needs it
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._load_tokenizer(), self.vocab_size, self._stop_token_ids)
+            self.num_compiled += 1
+        return self._compiler.compile(spec)  # xgrammar's compiler is thread-safe
 
     def submit(self, request_id: str, spec: StructuredOutputsParams) -> None:
         key = spec.key()
@@ -66,6 +79,7 @@ class StructuredOutputManager:
         else:
             self._cache.move_to_end(key)
         self._pending[request_id] = future
+        self._submitted[request_id] = time.monotonic()
 
     @property
     def num_waiting(self) -> int:
@@ -78,10 +92,16 @@ class StructuredOutputManager:
         """(ready request ids, {failed request id: error}), in submission order."""
         ready: list[str] = []
         failed: dict[str, str] = {}
+        now = time.monotonic()
         for rid, future in list(self._pending.items()):
             if not future.done():
+                if now - self._submitted[rid] > self.compile_timeout_s:
+                    self.forget(rid)
+                    failed[rid] = (f"grammar compilation took over {self.compile_timeout_s:g} s "
+                                   "(grammar_compile_timeout_s)")
                 continue
             del self._pending[rid]
+            del self._submitted[rid]
             exc = future.exception()
             if exc is not None:
                 failed[rid] = f"grammar compilation failed: {type(exc).__name__}: {exc}"
@@ -96,14 +116,21 @@ class StructuredOutputManager:
 
     def wait(self, timeout: float) -> None:
         if self._pending:
-            wait_futures(list(self._pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+            due = min(self._submitted.values()) + self.compile_timeout_s - time.monotonic()
+            wait_futures(list(self._pending.values()), timeout=max(0.0, min(timeout, due)),
+                         return_when=FIRST_COMPLETED)
 
     def matcher(self, request_id: str) -> Matcher | None:
         return self._matchers.get(request_id)
 
     def forget(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
+        future = self._pending.pop(request_id, None)
+        self._submitted.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        if future is not None and not any(f is future for f in self._pending.values()) and future.cancel():
+            for key, cached in list(self._cache.items()):  # never started: nobody else will get it
+                if cached is future:
+                    del self._cache[key]
 
     def close(self) -> None:
         if self._pool is not None:
