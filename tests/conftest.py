@@ -41,7 +41,7 @@ def _pin_xdist_worker() -> None:
 _pin_xdist_worker()
 
 import torch  # noqa: E402
-from engines import INFRASTRUCTURE_PIDS, headless_engines  # noqa: E402
+from engines import INFRASTRUCTURE_PIDS, child_pids, headless_engines  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -174,22 +174,6 @@ class HeadlessOptions(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._options) + 1
-
-
-def child_pids() -> list[int]:
-    """Processes whose parent is this one, zombies included (an exited child nobody reaped is a leak)."""
-    me, found = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == me:
-            found.append(int(name))
-    return found
 
 
 def assert_no_leftovers(ipc_dir: str, pids: Iterable[int] | None = None) -> None:

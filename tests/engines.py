@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -47,3 +48,20 @@ def headless_engines(n: int, *extra: str, first_rank: int = 0) -> Iterator[str]:
         for p in procs:
             p.wait(timeout=10)
             INFRASTRUCTURE_PIDS.discard(p.pid)
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """Processes whose parent is `parent` (default: this process), zombies included (an exited
+    child nobody reaped is a leak)."""
+    me, found = os.getpid() if parent is None else parent, []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+            found.append(int(name))
+    return found

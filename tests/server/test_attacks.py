@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engines import child_pids
 from server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -185,18 +186,10 @@ def test_nesting_past_the_decoder_limit_is_a_400(server: ServerProcess, where: s
 
 def _engine_pid(server_pid: int) -> int:
     """The server's engine process: its child running multiprocessing's spawn."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == server_pid and b"spawn_main" in cmdline:
-            return int(name)
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
     raise AssertionError("no engine process under the server")
 
 

@@ -9,8 +9,9 @@ OpenMP pool (`-fopenmp`), so the kernels share torch's threads instead of fighti
 
 The cache: `<troupe cache>/kernels/<name>-<key>/`, the key hashing the sources, the flags, torch's version
 and the CPU's instruction-set flags, so a changed source, a new torch or a home directory shared with
-another kind of CPU builds anew. Concurrent first uses are safe (an OS file lock per build folder, which
-also survives a build killed midway).
+another kind of CPU builds anew. The sources are copied into the folder and built from there, so the
+same sources in another checkout (a fresh clone) find the build done. Concurrent first uses are safe (an
+OS file lock per build folder, which also survives a build killed midway).
 
 Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
 AVX-512 code paths (`#ifdef __AVX512F__`) are taken where the CPU has them and the AVX2/FMA paths
@@ -107,11 +108,28 @@ def build(name: str, sources: Sequence[str]) -> None:
     with open(folder / "troupe.lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
+        src = _stable_sources(folder, paths)
         try:
-            load(f"troupe_{name}", [str(p) for p in paths], extra_cflags=flags, extra_include_paths=[str(CSRC)],
+            load(f"troupe_{name}", [str(src / p.name) for p in paths], extra_cflags=flags, extra_include_paths=[str(src)],
                  extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as exc:  # cpp_extension raises RuntimeError for a failed build
             raise BuildError(f"building the {name} kernels failed: {exc}") from exc
+
+
+def _stable_sources(folder: Path, paths: Sequence[Path]) -> Path:
+    """The sources and shared headers, copied once into the build folder, which ninja then builds from:
+    its build file names source paths, so building from the checkout would recompile everything
+    whenever the same sources sit in another checkout (every fresh clone, every CI run). The folder's
+    key hashes their contents, so a copy that exists is the right one (written whole, then renamed)."""
+    src = folder / "src"
+    src.mkdir(exist_ok=True)
+    for path in [*paths, *sorted(CSRC.glob("*.h"))]:
+        target = src / path.name
+        if not target.exists():
+            partial = target.with_suffix(target.suffix + ".partial")
+            shutil.copyfile(path, partial)
+            os.replace(partial, target)
+    return src
 
 
 @functools.cache
