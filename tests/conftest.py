@@ -96,12 +96,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                    capture_output=True, timeout=1800, check=False)
 
 
+# The longest test files (a minute or more of one core each), run first: under `-n 2 --dist loadfile` a
+# long file handed out last would leave one worker busy while the other idles.
+# test_gguf_equality reads test_hf_equality's oracle, so it comes a few files later (a worker that needs
+# the oracle while the other computes it waits).
+LONGEST_FIRST = ("models/test_hf_equality.py", "server/test_fuzz_server.py", "e2e/test_readme_and_cli.py",
+                 "e2e/test_ray.py", "models/test_gguf_equality.py", "server/test_server_lifecycle.py",
+                 "server/test_attacks.py", "server/test_server_openai.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/e2e/ (engine modes, subprocesses, whole programs) is `slow`."""
-    e2e = Path(__file__).parent / "e2e"
+    """Everything under tests/e2e/ (engine modes, subprocesses, whole programs) is `slow`; the
+    `LONGEST_FIRST` files move to the front, each file's tests keeping their order."""
+    here = Path(__file__).parent
+    e2e = here / "e2e"
     for item in items:
         if e2e in item.path.parents:
             item.add_marker(pytest.mark.slow)
+    rank = {here / name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,12 @@ configuration (float16 KV pool).
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +30,7 @@ from troupe.core.engine_core import EngineCore
 from troupe.messages import AddRequest
 from troupe.models.default_model import ensure_default_model
 from troupe.models.loader import load_tokenizer
+from troupe.paths import cache_dir
 from troupe.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the default model in troupe and in transformers
@@ -69,11 +75,40 @@ def make_prompts(tokenizer: Any, lengths: list[int], prefix: str = "") -> list[l
 
 
 def hf_oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
-    """transformers' greedy run on `prompts` (computed once per session: test_gguf_equality uses it too)."""
+    """transformers' greedy run on `prompts`: computed once, then kept in memory and on disk
+    (`_stored_hf_run`), so test_gguf_equality, another xdist worker or a later run reuse it."""
     key = tuple(tuple(p) for p in prompts)
     if key not in _ORACLES:
-        _ORACLES[key] = _hf_run(model_dir, prompts)
+        _ORACLES[key] = _stored_hf_run(Path(model_dir), prompts)
     return _ORACLES[key]
+
+
+def _stored_hf_run(model_dir: Path, prompts: list[list[int]]) -> Oracle:
+    """`_hf_run`'s result from `<troupe cache>/test-oracles/<digest>.pt`, the digest covering everything
+    the result depends on: the prompts, NEW_TOKENS, the converted weights (their conversion record,
+    size and mtime) and the transformers and torch versions. The first process to need it computes
+    it under a file lock; the others wait and read it."""
+    import transformers
+
+    weights = model_dir / "model.safetensors"
+    stat = weights.stat()
+    h = hashlib.sha256(json.dumps([prompts, NEW_TOKENS, transformers.__version__, torch.__version__,
+                                   (model_dir / "troupe_conversion.json").read_text(), stat.st_size,
+                                   stat.st_mtime_ns]).encode())
+    folder = cache_dir() / "test-oracles"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{h.hexdigest()[:24]}.pt"
+    with open(folder / f"{path.stem}.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if path.exists():
+            data = torch.load(path, weights_only=True)
+            return Oracle(data["tokens"], [[set(s) for s in row] for row in data["top5"]], data["logits"])
+        oracle = _hf_run(model_dir, prompts)
+        partial = path.with_suffix(".partial")
+        torch.save({"tokens": oracle.tokens, "top5": [[sorted(s) for s in row] for row in oracle.top5],
+                    "logits": oracle.logits}, partial)
+        os.replace(partial, path)
+        return oracle
 
 
 def _hf_run(model_dir: Any, prompts: list[list[int]]) -> Oracle:
