@@ -102,7 +102,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # the oracle while the other computes it waits).
 LONGEST_FIRST = ("models/test_hf_equality.py", "server/test_fuzz_server.py", "e2e/test_readme_and_cli.py",
                  "e2e/test_ray.py", "models/test_gguf_equality.py", "server/test_server_lifecycle.py",
-                 "server/test_attacks.py", "server/test_server_openai.py")
+                 "server/test_attacks.py", "server/test_server_openai.py", "e2e/test_ray_local.py",
+                 "facades/test_llm.py", "e2e/test_engine_process.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
