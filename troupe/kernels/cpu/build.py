@@ -8,6 +8,7 @@ short: a library of registered ops includes only ATen's core headers (compiles i
 OpenMP pool (`-fopenmp`), so the kernels share torch's threads instead of fighting them.
 
 The cache: `<troupe cache>/kernels/<name>-<key>/`, the key hashing the sources, the flags, torch's version
+and install folder (each virtual environment builds its own: ninja's build file names torch's headers)
 and the CPU's instruction-set flags, so a changed source, a new torch or a home directory shared with
 another kind of CPU builds anew. The sources are copied into the folder and built from there, so the
 same sources in another checkout (a fresh clone) find the build done. Concurrent first uses are safe (an
@@ -83,6 +84,7 @@ def _build_key(name: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
         h.update(header.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
+    h.update(str(Path(torch.__file__).parent).encode())  # ninja's build file names torch's headers: one folder each
     h.update(" ".join(sorted(cpu_flags())).encode())
     return f"{name}-{h.hexdigest()[:16]}"
 
