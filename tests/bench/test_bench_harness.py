@@ -24,29 +24,28 @@ SMALL = ["--num-prompts", "4", "--min-len", "8", "--max-len", "24", "--max-token
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # every engine and a server in their own processes
 def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path) -> None:
-    """Every part runs for troupe (two configurations) and transformers; the peers given as missing pythons
-    are skipped with notes; the JSON holds positive medians for each measured metric and the ratios of
-    each troupe configuration against transformers; the table has the rows and columns."""
+    """Every part runs for troupe and transformers; the peers given as missing pythons are skipped with
+    notes; the JSON holds positive medians for each measured metric and the ratio against transformers;
+    the table has the rows and columns. (Two troupe configurations side by side: the `--isa` test.)"""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "troupe.cli", "bench", "--random-model", TINY, *SMALL, "--json", str(out),
            "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
-           "--troupe-configs", "troupe", "troupe-b4:block_size=4"]
+           "--troupe-configs", "troupe"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     med = data["medians"]
-    assert set(med) == {"troupe", "troupe-b4", "transformers"}
-    for label in ("troupe", "troupe-b4"):
+    assert set(med) == {"troupe", "transformers"}
+    for label in ("troupe",):
         assert set(med[label]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "serve_tok_s", "serve_ttft_ms",
                                    "serve_itl_ms", "startup_first_token_s", "startup_ready_s", "serve_ready_s",
                                    "rss_offline_gib", "pss_offline_gib", "rss_serve_gib", "pss_serve_gib"}
         assert all(v > 0 for v in med[label].values()), med[label]
         assert data["info"][label]["config"]["enable_prefix_caching"] is False
-    assert data["info"]["troupe-b4"]["config"]["block_size"] == 4
     assert set(med["transformers"]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s",
                                         "startup_ready_s", "rss_offline_gib", "pss_offline_gib"}
     assert all(v > 0 for v in med["transformers"].values())
-    assert set(data["ratios"]) == {"troupe / transformers", "troupe-b4 / transformers"}
+    assert set(data["ratios"]) == {"troupe / transformers"}
     assert data["ratios"]["troupe / transformers"]["offline_tok_s"] == med["troupe"]["offline_tok_s"] / \
         med["transformers"]["offline_tok_s"]
     notes = "\n".join(data["notes"])
@@ -56,7 +55,7 @@ def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path) -> None:
     for row in ("offline: output tok/s", "single stream: TTFT", "HTTP streams: output tok/s",
                 "start-up: process start to first token", "peak RSS, process tree (server)"):
         assert row in proc.stdout
-    assert "troupe / transformers" in proc.stdout and "troupe-b4 / transformers" in proc.stdout
+    assert "troupe / transformers" in proc.stdout
 
 
 def test_troupe_configs_are_engine_config_fields() -> None:
@@ -112,9 +111,10 @@ def test_step_budget_defaults_to_each_entry_points_own() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # two engines in their own processes; the AVX2 kernels may build first
 def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--isa avx2`: the troupe worker loads the AVX2 build of its kernels and ATen dispatches to AVX2 code
+    """`--isa avx2`: the troupe workers load the AVX2 build of their kernels and ATen dispatches to AVX2 code
     in both troupe's and transformers' workers (what their processes report), the settings record it,
-    and the harness's own environment is as before once the run is over."""
+    and the harness's own environment is as before once the run is over. Two troupe configurations run
+    side by side, each with its own settings and its own ratio against transformers."""
     from troupe.bench.peers import AVX2_ENV
 
     for key in AVX2_ENV:
@@ -123,14 +123,21 @@ def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch
     out = tmp_path / "bench.json"
     code = harness.main(["--random-model", TINY, *SMALL, "--parts", "offline", "--isa", "avx2", "--json", str(out),
                          "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
-                         "--troupe-configs", "troupe"])
+                         "--troupe-configs", "troupe", "troupe-b4:block_size=4"])
     assert code == 0
     data = json.loads(out.read_text())
     assert data["settings"]["isa"] == "avx2"
-    assert data["info"]["troupe"]["cpu_kernels_isa"] == "avx2"
-    assert data["info"]["troupe"]["aten_cpu_capability"] == "AVX2"
+    for label in ("troupe", "troupe-b4"):
+        assert data["info"][label]["cpu_kernels_isa"] == "avx2"
+        assert data["info"][label]["aten_cpu_capability"] == "AVX2"
+        assert data["info"][label]["config"]["enable_prefix_caching"] is False
+        assert data["medians"][label]["offline_tok_s"] > 0
+        assert data["ratios"][f"{label} / transformers"]["offline_tok_s"] == \
+            data["medians"][label]["offline_tok_s"] / data["medians"]["transformers"]["offline_tok_s"]
+    assert data["info"]["troupe-b4"]["config"]["block_size"] == 4
+    assert data["info"]["troupe"]["config"]["block_size"] != 4
     assert data["info"]["transformers"]["aten_cpu_capability"] == "AVX2"
-    assert data["medians"]["troupe"]["offline_tok_s"] > 0
+    assert set(data["ratios"]) == {"troupe / transformers", "troupe-b4 / transformers"}
     assert any(n.startswith("compiled CPU kernels ready before the rounds (avx2 build") for n in data["notes"])
     assert not any(key in os.environ for key in AVX2_ENV)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -47,20 +46,31 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], str]:
+    """A tiny Q4_1 GGUF and the CLI's greedy answer on it with `--kernels eager` asked for: (args, stdout)."""
+    from troupe.kernels.quant import QType
+    from troupe.testing.models import make_tiny_gguf
+
+    gguf_path, _ = make_tiny_gguf(tmp_path_factory.mktemp("select") / "m", default_qtype=QType.Q4_1)
+    args = ["generate", "hello world", "--model", str(gguf_path), "--max-tokens", "6", "--temperature", "0",
+            "--ignore-eos", "--in-process"]
+    eager = subprocess.run([sys.executable, "-m", "troupe.cli", *args, "--kernels", "eager"], capture_output=True,
+                           text=True, timeout=600)
+    assert eager.returncode == 0, eager.stderr[-3000:]
+    assert eager.stdout.strip()
+    return args, eager.stdout
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # three CLI runs on a tiny GGUF, in subprocesses
+@pytest.mark.timeout(1200)  # CLI runs on a tiny GGUF, in subprocesses
 @pytest.mark.parametrize("why", ["no-compiler", "no-avx2"])
-def test_engine_falls_back_to_eager_with_one_warning(why: str, tmp_path: Path) -> None:
+def test_engine_falls_back_to_eager_with_one_warning(why: str, eager_run: tuple[list[str], str]) -> None:
     """The real engine on a GGUF with `kernels` left at "auto", where the compiled kernels cannot be built
     (no C++ compiler on PATH, or a CPU without AVX2): it generates on the eager set (the blocks expanded to
     float32), the same greedy tokens as `kernels="eager"` asked for, after exactly one warning that names
     the reason; asking for "cpu" there is an error naming `kernels`, exit code 2."""
-    from troupe.kernels.quant import QType
-    from troupe.testing.models import make_tiny_gguf
-
-    gguf_path, _ = make_tiny_gguf(tmp_path / "m", default_qtype=QType.Q4_1)
-    args = ["generate", "hello world", "--model", str(gguf_path), "--max-tokens", "6", "--temperature", "0",
-            "--ignore-eos", "--in-process"]
+    args, eager_stdout = eager_run
     env = dict(os.environ, TROUPE_LOG_LEVEL="info")  # the CLI logs warnings only unless asked: the runner's line
     if why == "no-compiler":
         env["CXX"] = "no-such-compiler-xyz"
@@ -71,9 +81,6 @@ def test_engine_falls_back_to_eager_with_one_warning(why: str, tmp_path: Path) -
     warnings = [line for line in fallback.stderr.splitlines() if "compiled CPU kernels unavailable" in line]
     assert len(warnings) == 1 and reason in warnings[0], fallback.stderr[-3000:]
     assert "kernels=eager" in fallback.stderr and "kernels=cpu" not in fallback.stderr
-    eager = subprocess.run([sys.executable, "-m", "troupe.cli", *args, "--kernels", "eager"], capture_output=True,
-                           text=True, timeout=600)
-    assert eager.returncode == 0, eager.stderr[-3000:]
-    assert fallback.stdout == eager.stdout and fallback.stdout.strip()
+    assert fallback.stdout == eager_stdout
     forced = subprocess.run([*cmd, *args, "--kernels", "cpu"], env=env, capture_output=True, text=True, timeout=600)
     assert forced.returncode == 2 and "kernels: 'cpu' cannot run here" in forced.stderr, forced.stderr[-3000:]
