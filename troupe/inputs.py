@@ -72,14 +72,25 @@ def tokenize(tokenizer: Any, text: str) -> list[int]:
 
 def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: bool = True,
                 chat_template: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None,
-                **template_kwargs: Any) -> str:
+                limits: InputLimits | None = None, **template_kwargs: Any) -> str:
     """The conversation as text through the model's chat template; `tools` (OpenAI function
-    definitions) and `template_kwargs` are passed to the template as transformers does."""
+    definitions) and `template_kwargs` are passed to the template as transformers does. A caller's own
+    `chat_template` renders under `limits`' template bounds (`troupe.chat_template`)."""
     if not isinstance(messages, Sequence) or not messages:
         raise InvalidInputError("messages", "must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise InvalidInputError(f"messages[{i}]", "must be an object with 'role' and 'content'")
+    if chat_template is not None:
+        from troupe.chat_template import render_bounded
+
+        try:
+            return render_bounded(tokenizer, chat_template, messages, add_generation_prompt, tools,
+                                  limits or InputLimits(), **template_kwargs)
+        except InvalidInputError:
+            raise
+        except Exception as exc:  # the template's own error (jinja2's TemplateError, a raise_exception)
+            raise InvalidInputError("messages", f"chat template failed: {type(exc).__name__}: {exc}") from exc
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

@@ -13,7 +13,8 @@ checked first with `len()`-cost tests, and a request past one is refused with an
 - `check_params(params, limits)`: the list fields of a `SamplingParams` (or of a server request,
   which has the same names), before they are converted or validated one by one.
 - `check_structured(spec, limits)`: a structured-output spec's text, nesting and enumerations,
-  before xgrammar parses it.
+  before xgrammar parses it; `check_constraint` the same for one constraint as a client sent it (the
+  server checks each before its text is parsed on the event loop).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class InputLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_stop_token_ids: int = 1_024
     max_prompts: int = 1_024  # prompts of one completions request (each is an engine request)
     max_detokenize_tokens: int = 131_072  # ids of one /detokenize request
+    max_chat_template_chars: int = 65_536  # a caller's own chat template (troupe.chat_template)
+    max_chat_template_output_chars: int = 1_048_576  # what it renders
+    max_chat_template_render_ms: int = 2_000
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
@@ -94,17 +98,21 @@ def check_prompts(prompt: Any, limits: InputLimits) -> None:
 def check_structured(spec: Any, limits: InputLimits) -> None:
     """A `StructuredOutputsParams` against `limits`, before anything parses it."""
     kind = spec.kind
-    field = f"structured_outputs.{kind}"
-    if kind == "regex" and len(spec.regex) > limits.max_regex_chars:
-        raise InvalidInputError(field, f"is {len(spec.regex)} characters long; at most {limits.max_regex_chars} "
-                                "are accepted (input limit max_regex_chars)")
-    if kind == "grammar" and len(spec.grammar) > limits.max_grammar_chars:
-        raise InvalidInputError(field, f"is {len(spec.grammar)} characters long; at most "
-                                f"{limits.max_grammar_chars} are accepted (input limit max_grammar_chars)")
-    if kind == "choice" and len(spec.choice) > limits.max_enum_values:
-        raise _over(field, len(spec.choice), limits.max_enum_values, "max_enum_values", "choices")
+    check_constraint(f"structured_outputs.{kind}", kind, getattr(spec, kind), limits)
+
+
+def check_constraint(field: str, kind: str, value: Any, limits: InputLimits) -> None:
+    """One output constraint of kind "regex", "grammar", "choice", "json" or "structural_tag", as a client
+    sent it in `field` (text or parsed), against `limits`: before anything parses or converts it."""
+    if kind in ("regex", "grammar") and isinstance(value, str):
+        bound, name = (limits.max_regex_chars, "max_regex_chars") if kind == "regex" else \
+            (limits.max_grammar_chars, "max_grammar_chars")
+        if len(value) > bound:
+            raise InvalidInputError(field, f"is {len(value)} characters long; at most {bound} are accepted "
+                                    f"(input limit {name})")
+    if kind == "choice" and isinstance(value, list | tuple) and len(value) > limits.max_enum_values:
+        raise _over(field, len(value), limits.max_enum_values, "max_enum_values", "choices")
     if kind in ("json", "structural_tag"):
-        value = spec.json if kind == "json" else spec.structural_tag
         check_schema(field, value, limits)
 
 

@@ -33,7 +33,8 @@ from server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ARGS = ["--dtype", "float32", "--max-model-len", "256"]
+ARGS = ["--dtype", "float32", "--max-model-len", "256", "--trust-request-chat-template",
+        "--limit", "max_chat_template_render_ms=500"]
 VOCAB = 49152
 MAX_LAG_S = 0.25
 HEALTH_S = 1.0
@@ -102,12 +103,36 @@ def nested_schema(depth: int) -> str:
 @pytest.mark.parametrize("field", ["guided_json", "structured_outputs"])
 def test_a_deeply_nested_schema_is_refused_at_once(server: ServerProcess, field: str, depth: int) -> None:
     """A JSON schema nested 300 to 3,000 deep, as a string (it used to be parsed by xgrammar on the
-    event loop for minutes): 400 naming the field and max_json_schema_depth."""
+    event loop for minutes): 400 naming the field the client used and max_json_schema_depth, decided
+    on the text before anything parses it."""
     text = nested_schema(depth)
     body: dict[str, Any] = {"prompt": "Hi", "max_tokens": 4}
     body.update({"guided_json": text} if field == "guided_json" else {"structured_outputs": {"json": text}})
     resp = under_watch(server, lambda http: http.post("/v1/completions", json=body))
-    assert resp.status_code == 400 and "max_json_schema_depth" in resp.json()["error"]["message"], resp.text[:300]
+    limit = "max_json_schema_depth" if len(text) <= 65_536 else "max_json_schema_bytes"  # 3,000 deep: 162 kB
+    refused(resp, "guided_json" if field == "guided_json" else "structured_outputs.json", limit)
+
+
+@pytest.mark.parametrize("field,value,limit", [
+    ("guided_json", json.dumps({"type": "string", "description": "x" * 70_000}), "max_json_schema_bytes"),
+    ("guided_regex", "a" * 5_000, "max_regex_chars"),
+    ("guided_grammar", "root ::= " + '"a" ' * 20_000, "max_grammar_chars"),
+    ("guided_choice", [f"c{i}" for i in range(2_000)], "max_enum_values"),
+    ("tool_choice", None, "max_json_schema_depth"),
+])
+def test_each_constraint_field_is_bounded_at_the_edge(server: ServerProcess, field: str, value: Any,
+                                                      limit: str) -> None:
+    """Every way a client sends an output constraint is checked against its limit before it is parsed or
+    converted, with the client's own field in the error (a forced tool call's schema included)."""
+    if field == "tool_choice":
+        fn = {"name": "f", "parameters": json.loads(nested_schema(40))}
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "tools": [{"type": "function", "function": fn}], "tool_choice": "required"}
+        resp = under_watch(server, lambda http: http.post("/v1/chat/completions", json=body))
+    else:
+        resp = under_watch(server, lambda http: http.post("/v1/completions",
+                                                          json={"prompt": "Hi", "max_tokens": 4, field: value}))
+    refused(resp, field, limit)
 
 
 def test_a_huge_enum_is_refused_and_structured_requests_go_on(server: ServerProcess) -> None:
@@ -126,6 +151,17 @@ def test_a_huge_enum_is_refused_and_structured_requests_go_on(server: ServerProc
 
     resp = under_watch(server, attack)
     assert resp.status_code == 400 and "max_enum_values" in resp.json()["error"]["message"], resp.text[:300]
+
+
+@pytest.mark.parametrize("template,limit", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "max_chat_template_render_ms"),
+    ("{{ 'a' * 10**10 }}", "max_chat_template_output_chars"),
+])
+def test_a_trusted_chat_template_is_bounded(server: ServerProcess, template: str, limit: str) -> None:
+    """A request's own chat template (the server trusts them) that would render for hours or allocate
+    10 GB: 400 naming chat_template and the limit, after at most the 500 ms render deadline, off the loop."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "chat_template": template}
+    refused(under_watch(server, lambda http: http.post("/v1/chat/completions", json=body)), "chat_template", limit)
 
 
 def test_logit_bias_over_the_whole_vocabulary_sixteen_at_once(server: ServerProcess) -> None:

@@ -151,7 +151,8 @@ class InputProcessor:
 
     def _prompt_parts(self, sub: Submission) -> tuple[str | None, list[int] | None]:
         if sub.messages is not None:
-            text = render_chat(self.tokenizer, sub.messages, sub.add_generation_prompt, sub.chat_template)
+            text = render_chat(self.tokenizer, sub.messages, sub.add_generation_prompt, sub.chat_template,
+                               limits=self.limits.inputs)
             if not text.isascii():
                 check_utf8("messages", text)
             return text, None

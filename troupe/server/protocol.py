@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from troupe.limits import InputLimits, check_constraint
 from troupe.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 from troupe.server.errors import bad_request
 from troupe.structured import StructuredOutputsParams
@@ -152,9 +153,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs", "prompt_logprobs are not available with stream=true")
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+    def structured_outputs_params(self, limits: InputLimits | None = None) -> StructuredOutputsParams | None:
         """The one output constraint the request asks for (any of the fields in `_STRUCTURED`, or a
-        forced tool call), as `StructuredOutputsParams`; None without one."""
+        forced tool call), as `StructuredOutputsParams`; None without one. With `limits`, the constraint
+        is checked against them first (`check_constraint`), before its text is parsed."""
         found: list[tuple[str, dict[str, Any]]] = []
         if self.structured_outputs is not None:
             spec = msgspec.structs.asdict(self.structured_outputs)
@@ -192,13 +194,19 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         if len(found) > 1:
             raise bad_request(found[1][0], f"give one output constraint; got {[f for f, _ in found]}")
         field, spec = found[0]
+        if limits is not None:
+            for kind in ("json", "regex", "choice", "grammar", "structural_tag"):
+                if kind in spec:
+                    check_constraint(field if field != "structured_outputs" else f"{field}.{kind}", kind, spec[kind],
+                                     limits)
         if self.guided_whitespace_pattern is not None:
             spec["whitespace_pattern"] = self.guided_whitespace_pattern
         return StructuredOutputsParams(**spec)
 
-    def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any], limits: InputLimits | None = None) -> SamplingParams:
         """The request's SamplingParams (see the module docstring). Raises `InvalidInputError` (a
-        400 naming the field) for values SamplingParams refuses."""
+        400 naming the field) for values SamplingParams refuses, or past `limits` (its output constraint,
+        checked before its text is parsed)."""
         self.check()
 
         def pick(name: str, fallback: Any) -> Any:
@@ -223,7 +231,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
             repetition_penalty=pick("repetition_penalty", None), logprobs=self.sample_logprobs(),
             prompt_logprobs=self.prompt_logprobs_wanted(), logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
-            structured_outputs=self.structured_outputs_params(),
+            structured_outputs=self.structured_outputs_params(limits),
         )
         kw.update({k: v for k, v in optional.items() if v is not None})  # set only: see the module docstring
         return SamplingParams(**kw)

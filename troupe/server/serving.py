@@ -150,7 +150,7 @@ async def create_completion(request: Request) -> Response:
     llm = state.engine()
     check_params(req, llm.config.input_limits)  # before any field is converted
     check_prompts(req.prompt, llm.config.input_limits)
-    params = req.sampling_params(llm.generation_defaults)
+    params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
     prompts = req.prompts()
     tok = llm.get_tokenizer()
     texts = [p if isinstance(p, str) else None for p in prompts]
@@ -183,13 +183,16 @@ async def create_chat_completion(request: Request) -> Response:
                                            "--trust-request-chat-template`")
     llm = state.engine()
     check_params(req, llm.config.input_limits)  # before any field is converted
-    params = req.sampling_params(llm.generation_defaults)
+    params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
     messages, template_kwargs = req.template_inputs()
     tok = llm.get_tokenizer()
     size = sum(len(str(m.get("content", ""))) for m in messages)
+    if req.chat_template is not None:  # the client's own template: its cost is its own, never on the loop
+        size = OFFLOAD_CHARS + 1
+    limits = llm.config.input_limits
 
     def prompt_ids() -> list[int]:
-        return _encoder(tok, render_chat(tok, messages, **template_kwargs), req.add_special_tokens)()
+        return _encoder(tok, render_chat(tok, messages, limits=limits, **template_kwargs), req.add_special_tokens)()
 
     prompt = {"prompt_token_ids": await offload(size, prompt_ids)}
     base = request_id(request, req.request_id)
