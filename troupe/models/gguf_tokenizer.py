@@ -116,7 +116,7 @@ def adds_bos_eos(meta: dict[str, Any]) -> tuple[bool, bool]:
 
 def write_tokenizer(out: Path, meta: dict[str, Any], where: str = "GGUF") -> None:
     """Write the HF tokenizer files of a GGUF file's `meta` into the existing folder `out`."""
-    from tokenizers import AddedToken, processors
+    from tokenizers import AddedToken
 
     kind = meta.get("tokenizer.ggml.model")
     if kind not in SUPPORTED_MODELS:
@@ -128,28 +128,12 @@ def write_tokenizer(out: Path, meta: dict[str, Any], where: str = "GGUF") -> Non
         raise ModelLoadError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     special = special_tokens(meta)
     tk = _byte_level(meta, tokens, special, where) if kind == "gpt2" else _sentencepiece(meta, tokens, special, where)
-    control = [t for t, kind in zip(tokens, types, strict=True) if kind in (CONTROL, UNKNOWN)]
+    control = [t for t, ttype in zip(tokens, types, strict=True) if ttype in (CONTROL, UNKNOWN)]
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tk.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, kind in zip(tokens, types, strict=True) if kind == USER_DEFINED])
+                   for t, ttype in zip(tokens, types, strict=True) if ttype == USER_DEFINED])
     add_bos, add_eos = adds_bos_eos(meta)
-    for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
-        if flag and f"{name}_token" not in special:
-            raise ModelLoadError(f"{where}: tokenizer.ggml.add_{name}_token is set (or llama.cpp's default) but "
-                                 f"the file has no tokenizer.ggml.{name}_token_id")
-    ends = [(special[f"{n}_token"], meta[f"tokenizer.ggml.{n}_token_id"]) for n, on in (("bos", add_bos),
-                                                                                          ("eos", add_eos)) if on]
-    template: Any = None
-    if ends or kind == "llama":
-        bos = f"{special['bos_token']}:0 " if add_bos else ""
-        eos = f" {special['eos_token']}:0" if add_eos else ""
-        template = processors.TemplateProcessing(single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}",
-                                                 special_tokens=ends)
-    if kind == "gpt2":  # llama.cpp's byte-level offsets are not trimmed; the ids are the template's
-        byte_level = processors.ByteLevel(trim_offsets=False)
-        tk.post_processor = byte_level if template is None else processors.Sequence([byte_level, template])
-    else:
-        tk.post_processor = template
+    tk.post_processor = _post_processor(kind, meta, special, add_bos, add_eos, where)
     tk.save(str(out / "tokenizer.json"))
 
     arch = meta.get("general.architecture", "")
@@ -168,6 +152,29 @@ def write_tokenizer(out: Path, meta: dict[str, Any], where: str = "GGUF") -> Non
         (out / "chat_template.jinja").write_text(template_text)
     write_json(out / "tokenizer_config.json", config)
     write_json(out / "special_tokens_map.json", special)
+
+
+def _post_processor(kind: str, meta: dict[str, Any], special: dict[str, str], add_bos: bool, add_eos: bool,
+                    where: str) -> Any:
+    """BOS / EOS around a text encoded with special tokens (a `TemplateProcessing`); "gpt2" keeps its
+    `ByteLevel` step first (offsets untrimmed, ids unchanged), alone when nothing is added."""
+    from tokenizers import processors
+
+    ends = []
+    for on, name in ((add_bos, "bos"), (add_eos, "eos")):
+        if on and f"{name}_token" not in special:
+            raise ModelLoadError(f"{where}: tokenizer.ggml.add_{name}_token is set (or llama.cpp's default) but "
+                                 f"the file has no tokenizer.ggml.{name}_token_id")
+        if on:
+            ends.append((special[f"{name}_token"], int(meta[f"tokenizer.ggml.{name}_token_id"])))
+    bos = f"{special['bos_token']}:0 " if add_bos else ""
+    eos = f" {special['eos_token']}:0" if add_eos else ""
+    template = processors.TemplateProcessing(single=f"{bos}$A:0{eos}", pair=f"{bos}$A:0{eos} {bos}$B:1{eos}",
+                                             special_tokens=ends)
+    if kind == "llama":
+        return template
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    return processors.Sequence([byte_level, template]) if ends else byte_level
 
 
 def _byte_level(meta: dict[str, Any], tokens: list[str], special: dict[str, str], where: str) -> Any:
