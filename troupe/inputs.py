@@ -65,9 +65,10 @@ def split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     )
 
 
-def tokenize(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of `text` as the model expects them (BOS added when the tokenizer adds one)."""
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+def tokenize(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text` as the model expects them: a prompt's with the tokenizer's BOS/EOS; a rendered
+    chat template's without (`add_special_tokens=False`: the template writes its own BOS, as vLLM)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: bool = True,

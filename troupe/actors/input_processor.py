@@ -143,7 +143,7 @@ class InputProcessor:
                 return
             if ids is None:
                 assert text is not None
-                ids = tokenize(self.tokenizer, text)
+                ids = tokenize(self.tokenizer, text, sub.messages is None)
         except Exception as exc:
             self._reject(sub, exc)
             return
@@ -164,7 +164,7 @@ class InputProcessor:
 
     async def _tokenize_then_send(self, sub: Submission, text: str) -> None:
         try:
-            ids = await anyio.to_thread.run_sync(tokenize, self.tokenizer, text)
+            ids = await anyio.to_thread.run_sync(tokenize, self.tokenizer, text, sub.messages is None)
         except Exception as exc:
             self._reject(sub, exc)
             return
@@ -179,7 +179,7 @@ class InputProcessor:
         text, ids = self._prompt_parts(sub)
         if ids is None:
             assert text is not None
-            ids = tokenize(self.tokenizer, text)
+            ids = tokenize(self.tokenizer, text, sub.messages is None)
         return text, ids, self._build(sub, ids)
 
     async def _prepare_then_register(self, sub: Submission) -> None:
