@@ -65,3 +65,12 @@ def child_pids(parent: int | None = None) -> list[int]:
         if int(stat[stat.rindex(")") + 2:].split()[1]) == me:
             found.append(int(name))
     return found
+
+
+def engine_pid(server_pid: int) -> int:
+    """A server's engine process: its child running multiprocessing's spawn."""
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError("no engine process under the server")

@@ -122,21 +122,27 @@ def test_make_tiny_model_is_deterministic(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "expected"),
+    ("extra", "windows"),
     [
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, 4096),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, 32768),
-        ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}, 32768),
-        ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": True}, 4096),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, (4096, 4096)),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, ()),
+        ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}, ()),
+        ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": True,
+          "max_window_layers": 1}, (None, 4096)),
+        ({"architectures": ["Gemma2ForCausalLM"], "sliding_window": 4096}, (4096, None)),
+        ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": True,
+          "layer_types": ["sliding_attention", "full_attention"]}, (64, None)),
     ],
 )
-def test_sliding_window_caps_the_context(extra, expected):
-    """A sliding window in use caps max_model_len at the window (attention is exact below it)."""
+def test_sliding_windows_are_per_layer_and_keep_the_context(extra, windows):
+    """A sliding window is each layer's (from `layer_types`, else the family's rule); the context stays
+    the model's whole length (the attention kernels skip what a window does not see)."""
     from troupe.models.arch import ModelArch
 
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10, "intermediate_size": 8}
-    cfg |= {"num_hidden_layers": 1, "max_position_embeddings": 32768, **extra}
-    assert ModelArch.from_hf_config(cfg).max_position_embeddings == expected
+    cfg |= {"num_hidden_layers": 2, "max_position_embeddings": 32768, **extra}
+    arch = ModelArch.from_hf_config(cfg)
+    assert arch.max_position_embeddings == 32768 and arch.layer_windows == windows
 
 
 # ---------------------------------------------------------------------------------------- loader errors
@@ -171,8 +177,8 @@ BREAKAGES = {
     ),
     "no config": (lambda f: (f / "config.json").unlink(), ["config.json", "not found"]),
     "unsupported rope": (
-        lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-        ["config.json", "yarn"],
+        lambda f: _edit_config(f, rope_scaling={"rope_type": "su", "factor": 2.0}),
+        ["config.json", "su"],
     ),
     "missing safetensors": (lambda f: (f / "model.safetensors").unlink(), ["no *.safetensors"]),
     "corrupt safetensors": (

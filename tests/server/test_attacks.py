@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engines import child_pids
+from engines import engine_pid
 from server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -220,15 +220,6 @@ def test_nesting_past_the_decoder_limit_is_a_400(server: ServerProcess, where: s
     assert "too deeply" in resp.json()["error"]["message"]
 
 
-def _engine_pid(server_pid: int) -> int:
-    """The server's engine process: its child running multiprocessing's spawn."""
-    for pid in child_pids(server_pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
-    raise AssertionError("no engine process under the server")
-
-
 def test_engine_death_reaches_every_stream_within_2s_with_console_logs(tiny_llama: Path, tmp_path: Path) -> None:
     """24 streams in flight, the engine SIGKILLed, the default console log format: every stream
     ends with its engine_dead error event within 2 s of the kill (each 5xx used to be logged with a
@@ -257,7 +248,7 @@ def test_engine_death_reaches_every_stream_within_2s_with_console_logs(tiny_llam
             futures = [pool.submit(stream) for _ in range(24)]
             started.wait(timeout=60)
             assert srv.proc is not None
-            os.kill(_engine_pid(srv.proc.pid), signal.SIGKILL)
+            os.kill(engine_pid(srv.proc.pid), signal.SIGKILL)
             killed_at.append(time.monotonic())
             for f in futures:
                 f.result(timeout=60)

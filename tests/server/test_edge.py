@@ -109,16 +109,18 @@ def test_a_nul_in_a_header_gets_an_openai_400(server: ServerProcess) -> None:
 
 
 def test_past_the_connection_limit_a_503(server: ServerProcess) -> None:
-    """Eight idle connections (--limit-concurrency 8): the next request gets a 503; once they close,
-    requests are served again."""
+    """Eight idle connections (--limit-concurrency 8): the next request gets a 503 with an OpenAI error
+    body; once they close, requests are served again."""
     idle = [socket.create_connection(address(server)) for _ in range(8)]
     try:
         deadline = time.monotonic() + 5
         while True:  # the server registers each connection when its event loop accepts it
-            status = httpx.get(f"{server.url}/health", timeout=5).status_code
-            if status == 503 or time.monotonic() > deadline:
+            resp = httpx.get(f"{server.url}/health", timeout=5)
+            if resp.status_code == 503 or time.monotonic() > deadline:
                 break
-        assert status == 503
+        assert resp.status_code == 503
+        error = resp.json()["error"]
+        assert error["type"] == "service_unavailable" and "--limit-concurrency" in error["message"], error
     finally:
         for s in idle:
             s.close()

@@ -22,6 +22,7 @@ class StandInManager(StructuredOutputManager):
         super().__init__(lambda: None, 10, [0], compile_timeout_s=timeout)
         self.release = threading.Event()
         self.started: list[str] = []
+        self._ready_at = 0.0  # no compiler to build
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         self.started.append(spec.regex or "")
@@ -82,3 +83,55 @@ def test_an_aborted_request_cancels_a_compilation_not_started(manager: StandInMa
     manager.submit("d", StructuredOutputsParams(regex="queued"))
     ready, _ = poll_until(manager, 5)
     assert ready == ["d"] and manager.started.count("queued") == 1
+
+
+async def test_the_engine_fails_only_the_slow_grammars_request(tiny_llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real engine (in this process, grammar_compile_timeout_s=0.5): a request whose grammar
+    never finishes compiling fails with an error naming grammar_compile_timeout_s, filed as its own
+    fault (a 400 from the server); a structured request sent after it and a plain one finish; the
+    engine stays healthy."""
+    import anyio
+
+    from troupe import AsyncLLM, SamplingParams
+
+    release = threading.Event()
+    compile_spec = StructuredOutputManager._compile
+
+    def compile_or_hang(self: StructuredOutputManager, spec: StructuredOutputsParams) -> Any:
+        if spec.regex == "slow(a|b)":
+            release.wait(30)
+        return compile_spec(self, spec)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", compile_or_hang)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        async with AsyncLLM(str(tiny_llama), multiprocess=False, dtype="float32", num_threads=1,
+                            log_stats_interval_s=None, grammar_compile_timeout_s=0.5) as llm:
+            slow = params.clone()
+            slow.structured_outputs = StructuredOutputsParams(regex="slow(a|b)")
+            fast = params.clone()
+            fast.structured_outputs = StructuredOutputsParams(regex="[ab]{3}")
+            warm = params.clone()  # the first builds the compiler (over 0.5 s here): not counted as its compile
+            warm.structured_outputs = StructuredOutputsParams(regex="[cd]{3}")
+            assert [o async for o in llm.generate("Hello", warm, "warm")][-1].outputs[0].finish_reason == "length"
+            results: dict[str, Any] = {}
+
+            async def run(name: str, p: SamplingParams) -> None:
+                try:
+                    results[name] = [o async for o in llm.generate("Hello", p, name)][-1]
+                except Exception as exc:
+                    results[name] = exc
+
+            started = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                for name, p in (("slow", slow), ("fast", fast), ("plain", params)):
+                    tg.start_soon(run, name, p)
+            assert time.monotonic() - started < 10
+            slow_out = results["slow"]
+            assert "grammar_compile_timeout_s" in str(slow_out.error), results
+            assert slow_out.outputs[0].finish_reason == "error" and slow_out.error_kind == "invalid_request"
+            assert results["fast"].outputs[0].text in {"aaa", "aab", "aba", "abb", "baa", "bab", "bba", "bbb"}
+            assert len(results["plain"].outputs[0].token_ids) == 3
+            await llm.check_health()
+    finally:
+        release.set()

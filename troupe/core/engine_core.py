@@ -46,7 +46,7 @@ from troupe.core.model_runner import ModelRunner
 from troupe.core.request import Request
 from troupe.core.sampler import LogprobsRow, SamplingRow, make_sampler
 from troupe.core.scheduler import ScheduledRequest, Scheduler
-from troupe.errors import InvalidInputError, RequestFailure, error_kind
+from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_kind
 from troupe.inputs import ModelLimits, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
@@ -252,8 +252,11 @@ class EngineCore:
             req = self._waiting_for_grammar.pop(rid, None)
             if req is not None:
                 log.error("request failed", request_id=req.external_id, internal_id=rid, error=error)
+                # the spec passed the edge's checks, but its grammar did not compile (in time): the
+                # request's own input, a 400; a matcher that failed on a compiled grammar is ours
+                kind: ErrorKind = "internal" if error.startswith("grammar matcher failed") else "invalid_request"
                 self._failed_outside.append(EngineCoreOutput(rid, [], FinishReason.ERROR, error=error,
-                                                             error_kind="internal"))  # validated at the edge
+                                                             error_kind=kind))
 
     def _fail_now(self, req: Request, failure: RequestFailure) -> None:
         """Finish a scheduled request with an error outside the sampled-token path (its blocks freed)."""

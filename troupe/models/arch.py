@@ -1,10 +1,13 @@
 """`ModelArch`: the shape of a supported decoder, read from an HF `config.json`.
 
-One parser for the three architectures troupe runs (Llama, Mistral, Qwen2: the same decoder with
-different defaults). It reads the JSON as a dict, so loading a model never imports transformers, and
-it accepts both spellings of the rotary settings: `rope_theta` / `rope_scaling` (transformers 4) and
-`rope_parameters` (transformers 5). Anything it cannot run faithfully is a `ModelLoadError` here,
-before any weight is read.
+Every family troupe runs is the Llama decoder with a few switches: where the norms sit, whether q and k
+are normed, the activation, scalars on the embedding, the residual branches, the attention scores and the
+logits, soft-capping, per-layer sliding windows, and the rotary embedding. `from_hf_config` reads the
+switches common to all from the config, then the family's own parser (`troupe.models.families`) sets
+the rest; the model (`troupe.models.llama`) reads only `ModelArch`. It reads the JSON as a dict, so
+loading a model never imports transformers, and it accepts both spellings of the rotary settings:
+`rope_theta` / `rope_scaling` (transformers 4) and `rope_parameters` (transformers 5). Anything it
+cannot run faithfully is a `ModelLoadError` here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -14,8 +17,17 @@ from typing import Any
 
 from troupe.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """One rotary embedding: base, scaling (None, or the config's dict with `rope_type` set), and the
+    number of leading dims of each head it rotates (the rest pass through; `partial_rotary_factor`)."""
+
+    theta: float
+    scaling: dict[str, Any] | None
+    rotary_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +42,27 @@ class ModelArch:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": "llama3" | "linear", ...}
-    max_position_embeddings: int  # already capped by a sliding window (see `from_hf_config`)
+    rope_scaling: dict[str, Any] | None  # None, or {"rope_type": ..., ...}
+    max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    # the family switches (defaults: Llama's)
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh", between gate and up
+    qk_norm: str | None = None  # "head": RMSNorm of each head of q and k (Qwen3, Gemma 3); "full": of all (OLMo 2)
+    norm_layout: str = "pre"  # "pre": norm before attention and MLP; "post": after each (OLMo 2); "sandwich": both (Gemma)
+    norm_offset: float = 0.0  # Gemma's norms multiply by (offset + weight): folded into the weights at load
+    embed_scale: float = 1.0  # the embedding is multiplied by this (Gemma: sqrt(hidden); Granite)
+    residual_scale: float = 1.0  # each branch's output, before it is added to the residual (Granite)
+    attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
+    logit_scale: float = 1.0  # the logits are multiplied by this (Granite: 1 / logits_scaling)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    layer_windows: tuple[int | None, ...] = ()  # sliding window of each layer (None: full); () for none at all
+    local_rope: Rope | None = None  # the rotary embedding of the sliding layers, where it differs (Gemma 3)
+    rotary_dim: int = 0  # dims of each head the rotary embedding turns; 0: all (head_dim)
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
 
     @property
     def q_size(self) -> int:
@@ -45,15 +72,37 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def is_plain(self) -> bool:
+        """The Llama decoder itself (no family switch set): what a kernel set's one-call decoder stack runs."""
+        return (self.hidden_act == "silu" and self.qk_norm is None and self.norm_layout == "pre"
+                and self.embed_scale == 1.0 and self.residual_scale == 1.0 and self.attn_scale is None
+                and self.logit_scale == 1.0 and self.attn_softcap is None and self.final_softcap is None
+                and not any(self.layer_windows) and self.local_rope is None
+                and self.rotary_dim in (0, self.head_dim))
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.rope_theta, self.rope_scaling, self.rotary_dim or self.head_dim)
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelArch:
         """Parse and check an HF config dict; `where` names the file in error messages."""
+        from troupe.models.families import FAMILIES
+
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             raise ModelLoadError(
                 f"{where}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(FAMILIES)}"
             )
 
         def need(key: str) -> Any:
@@ -63,47 +112,68 @@ class ModelArch:
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
-        theta, scaling = _rope_settings(cfg, where)
-        max_pos = int(cfg.get("max_position_embeddings") or 2048)
-        # A sliding window only changes attention for contexts longer than the window, so capping
-        # the context at the window keeps the model exact without a sliding-window kernel.
-        window = cfg.get("sliding_window")
-        uses_window = window is not None and (arch != "Qwen2ForCausalLM" or cfg.get("use_sliding_window"))
-        if uses_window:
-            max_pos = min(max_pos, int(window))  # type: ignore[arg-type]  # not None here
+        num_layers = int(need("num_hidden_layers"))
         attention_bias = bool(cfg.get("attention_bias", False))
-        return cls(
+        base = dict(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
+        params = rope_params(cfg)
+        rope = parse_rope(params, head_dim, where)
+        base.update(rope_theta=rope.theta, rope_scaling=rope.scaling, rotary_dim=rope.rotary_dim)
+        fields = FAMILIES[arch](cfg, base, where)
+        act = fields.get("hidden_act", "silu")
+        if act not in ("silu", "gelu_tanh"):
+            raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        return cls(**fields)
 
 
-def _rope_settings(cfg: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling or None) from either config spelling; rejects unsupported rope types."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {}) or params
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported (supported: {_ROPE_TYPES})")
+def rope_params(cfg: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The rotary settings of the config in transformers 5's shape (`rope_theta`, `rope_type`, scaling keys,
+    `partial_rotary_factor`), from either spelling; `layer_type` picks Gemma 3's per-layer-type entry."""
+    given = cfg.get("rope_parameters")
+    if isinstance(given, dict) and layer_type is not None and isinstance(given.get(layer_type), dict):
+        given = given[layer_type]
+    params = dict(given or {})
+    if layer_type is None and params and all(isinstance(v, dict) for v in params.values()):
+        params = dict(params.get("full_attention") or {})  # a per-layer-type dict: the global layers'
+    params.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k not in params})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in cfg:
+        params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if "original_max_position_embeddings" in cfg:
+        params.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+    params.setdefault("max_position_embeddings", cfg.get("max_position_embeddings") or 2048)
+    return params
+
+
+def parse_rope(params: dict[str, Any], head_dim: int, where: str) -> Rope:
+    """A `Rope` from `rope_params`' dict; an unsupported type is a ModelLoadError naming it."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{where}: rope type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+    rotary = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ModelLoadError(f"{where}: partial_rotary_factor gives {rotary} rotary dims of {head_dim}")
+    theta = float(params["rope_theta"])
     if rope_type == "default":
-        return theta, None
+        return Rope(theta, None, rotary)
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     scaling["rope_type"] = rope_type
-    return theta, scaling
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(scaling.get(key) or []) != rotary // 2:
+                raise ModelLoadError(f"{where}: rope {key} must have {rotary // 2} values")
+    return Rope(theta, scaling, rotary)

@@ -24,17 +24,17 @@ consecutive groups of one format each, one projection per group, their outputs c
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from troupe.kernels.base import AttentionMetadata, DecoderStack, KernelSet, LayerKV, LayerWeights, LinearOp
 from troupe.kernels.quant import QuantizedTensor, Weight, dense
-from troupe.kernels.reference import rope_cache
 from troupe.models.arch import ModelArch
+from troupe.models.rope import partial_rotary_order, rope_table
 
 WeightGetter = Callable[[str, tuple[int, ...]], Weight]  # (HF name, expected shape) -> tensor or quantized
 
@@ -47,37 +47,34 @@ def _bias(enabled: bool, n: int, dtype: torch.dtype) -> nn.Parameter | None:
     return _param(n, dtype=dtype) if enabled else None
 
 
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """(D/2,) float64 inverse frequencies, with "linear" or "llama3" scaling applied."""
-    D = arch.head_dim
-    inv = 1.0 / arch.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-    sc = arch.rope_scaling
-    if sc is None:
-        return inv
-    if sc["rope_type"] == "factors":  # per-frequency divisors (a GGUF's rope_freqs tensor)
-        return inv / torch.tensor(sc["factors"], dtype=torch.float64)
-    if sc["rope_type"] == "linear":
-        return inv / float(sc["factor"])
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between
-    factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
-    old_len = float(sc["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    return torch.where(medium, smoothed, scaled)
-
-
 class DecoderLayer(nn.Module):
+    """One decoder layer, with the family switches of `ModelArch`: the norms' layout (see `forward`), q/k
+    norms, the activation, the residual scale, the attention's scale, sliding window and soft-cap."""
+
     def __init__(self, arch: ModelArch, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         h, f, qkv = arch.hidden_size, arch.intermediate_size, arch.q_size + 2 * arch.kv_size
         self.arch = arch
         self.index = index  # which layer: a kernel set may keep per-layer state (e.g. decode rows)
-        self.scale = arch.head_dim**-0.5
-        self.input_norm = _param(h, dtype=dtype)
+        self.scale = arch.scale
+        self.window = arch.window(index)
+        extra: dict[str, float | int] = {}  # attention features, only where set (kernel sets without them)
+        if self.window is not None:
+            extra["sliding_window"] = self.window
+        if arch.attn_softcap is not None:
+            extra["softcap"] = float(arch.attn_softcap)
+        self.attention_features = extra
+        layout = arch.norm_layout
+        # pre: input_norm before attention, post_norm before the MLP; post (OLMo 2): post_norm after
+        # attention, post_ff_norm after the MLP; sandwich (Gemma): all four
+        self.input_norm = _param(h, dtype=dtype) if layout != "post" else None
         self.post_norm = _param(h, dtype=dtype)
+        self.pre_ff_norm = _param(h, dtype=dtype) if layout == "sandwich" else None
+        self.post_ff_norm = _param(h, dtype=dtype) if layout != "pre" else None
+        q_norm, k_norm = {"head": (arch.head_dim, arch.head_dim), "full": (arch.q_size, arch.kv_size)}.get(
+            arch.qk_norm or "", (0, 0))
+        self.q_norm = _param(q_norm, dtype=dtype) if q_norm else None
+        self.k_norm = _param(k_norm, dtype=dtype) if k_norm else None
         self.qkv_w = _param(qkv, h, dtype=dtype)
         self.qkv_b = _bias(arch.qkv_bias, qkv, dtype)
         self.o_w = _param(h, arch.q_size, dtype=dtype)
@@ -112,28 +109,60 @@ class DecoderLayer(nn.Module):
         """Returns (this layer's output, the residual stream it is to be added to): (T, hidden) each, or
         with `rows` (N, hidden), those tokens' alone. Every token's K/V is written either way; `rows`
         only spares the output projection and the MLP of tokens whose output nothing reads (the last
-        layer's, for tokens that need no logits)."""
+        layer's, for tokens that need no logits).
+
+        The layouts (HF's `residual + branch(x)` written as vLLM's (output, residual) stream):
+        pre: `h = norm_in(x + r)`, `r' = x + r + attn(h)`, out = `mlp(norm_post(r'))`;
+        sandwich: the same with `norm_post(attn(h))` added and `norm_post_ff(mlp(norm_pre_ff(r')))` out;
+        post: `h = x + r` unnormed, `r' = h + norm_post(attn(h))`, out = `norm_post_ff(mlp(r'))`."""
         a, eps, ops = self.arch, self.arch.rms_norm_eps, self.ops
         T = x.shape[0]
-        if residual is None:
-            h, residual = ops.rms_norm(x, self.input_norm, eps), x  # (T, hidden) each
+        if a.norm_layout == "post":
+            h = residual = x if residual is None else x + residual
+        elif residual is None:
+            h, residual = ops.rms_norm(x, _given(self.input_norm), eps), x  # (T, hidden) each
         else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
+            h, residual = ops.add_rms_norm(x, residual, _given(self.input_norm), eps)
         qkv = self.qkv(h)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = q.view(T, a.num_heads, a.head_dim)  # (T, H, D)
-        k = k.view(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
+        if a.qk_norm == "full":  # over all heads at once (OLMo 2)
+            q, k = ops.rms_norm(q.contiguous(), _given(self.q_norm), eps), ops.rms_norm(k.contiguous(), _given(self.k_norm), eps)
+        q = q.reshape(T, a.num_heads, a.head_dim)  # (T, H, D)
+        k = k.reshape(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
         v = v.reshape(T, a.num_kv_heads, a.head_dim)  # (T, KVH, D)
+        if a.qk_norm == "head":  # each head on its own (Qwen3, Gemma 3)
+            q = ops.rms_norm(q.reshape(-1, a.head_dim), _given(self.q_norm), eps).view(T, a.num_heads, a.head_dim)
+            k = ops.rms_norm(k.reshape(-1, a.head_dim), _given(self.k_norm), eps).view(T, a.num_kv_heads, a.head_dim)
         q, k = ops.rope_and_cache(positions, q, k, v, rope, kv, meta)
         # attention runs for every token even so: a kernel set may keep per-layer state in it (the eager
         # set's decode rows), and a prefill's attention is a few percent of its projections
-        o = ops.attention(q, k, v, kv, meta, self.scale, self.index).reshape(T, a.q_size)  # (T, H * D)
+        o = ops.attention(q, k, v, kv, meta, self.scale, self.index, **self.attention_features)
+        o = o.reshape(T, a.q_size)  # (T, H * D)
         if rows is not None:
             if len(rows) == 0:  # K/V written; no token's output is wanted
                 return x.new_empty((0, x.shape[1])), residual.new_empty((0, x.shape[1]))
             o, residual = o[rows], residual[rows]  # (N, H * D), (N, hidden): copies
-        h, residual = ops.add_rms_norm(self.o_proj(o), residual, self.post_norm, eps)
-        return self.down(ops.silu_and_mul(self.gate_up(h))), residual  # (T or N, hidden) each
+        attn = self.o_proj(o)  # (T or N, hidden)
+        if a.residual_scale != 1.0:
+            attn = attn * a.residual_scale
+        if a.norm_layout == "pre":
+            h, residual = ops.add_rms_norm(attn, residual, self.post_norm, eps)
+        elif a.norm_layout == "sandwich":
+            h, residual = ops.add_rms_norm(ops.rms_norm(attn, self.post_norm, eps), residual, _given(self.pre_ff_norm), eps)
+        else:
+            h = residual = ops.rms_norm(attn, self.post_norm, eps) + residual
+        gate_up = self.gate_up(h)  # (T or N, 2f)
+        if a.hidden_act == "silu":
+            act = ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        out = self.down(act)  # (T or N, hidden)
+        if a.residual_scale != 1.0:
+            out = out * a.residual_scale
+        if self.post_ff_norm is not None:
+            out = ops.rms_norm(out, _given(self.post_ff_norm), eps)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -147,8 +176,12 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             self.embed if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
         )
-        self.register_buffer("rope_cache", rope_cache(rope_inv_freq(arch), max_len or arch.max_position_embeddings),
+        length = max_len or arch.max_position_embeddings
+        self.register_buffer("rope_cache", rope_table(arch.rope, arch.head_dim, length, arch.max_position_embeddings),
                              persistent=False)  # (max_len, D) float32
+        local = arch.local_rope  # the sliding layers' own rotary table (Gemma 3)
+        self.register_buffer("rope_local", rope_table(local, arch.head_dim, length, arch.max_position_embeddings)
+                             if local is not None else None, persistent=False)
         self.head: LinearOp = _unbound
         self.embedding: Callable[[torch.Tensor], torch.Tensor] = _unbound
         self.stack: DecoderStack | None = None  # the kernel set's one-call stack of the layers, if it has one
@@ -171,7 +204,11 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.bind(ops)  # type: ignore[operator]
         a, layers = self.arch, cast(list[DecoderLayer], list(self.layers))
-        weights = [LayerWeights(ly.input_norm, ly.post_norm, ly.qkv, ly.o_proj, ly.gate_up, ly.down) for ly in layers]
+        if not a.is_plain:  # a family switch the stacks do not have: the per-layer loop
+            self.stack = self.trunk = None
+            return
+        weights = [LayerWeights(ly.input_norm, ly.post_norm, ly.qkv, ly.o_proj, ly.gate_up, ly.down)  # type: ignore[arg-type]
+                   for ly in layers]
         shape = (a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps, a.head_dim**-0.5)
         self.stack = ops.decoder_stack(weights, *shape)
         # all but the last layer, for steps whose last layer runs on fewer rows (`forward`'s `rows`)
@@ -194,7 +231,10 @@ class LlamaModel(nn.Module):
         ~3% of a prefill's projections there). llama.cpp trims its last layer the same way.
         """
         rope: torch.Tensor = self.rope_cache  # type: ignore[assignment]  # a registered buffer
+        local: torch.Tensor | None = self.rope_local  # type: ignore[assignment]
         x = self.embedding(input_ids)  # (T, hidden)
+        if self.arch.embed_scale != 1.0:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         trim = rows is not None and len(rows) < x.shape[0]
         last = len(self.layers) - 1
         residual: torch.Tensor | None = None
@@ -207,7 +247,8 @@ class LlamaModel(nn.Module):
                 x, residual = self.layers[last](x, residual, positions, rope, kv_caches[last], meta, rows)
         else:
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                x, residual = layer(x, residual, positions, rope, kv, meta, rows if trim and i == last else None)
+                table = local if local is not None and layer.window is not None else rope
+                x, residual = layer(x, residual, positions, table, kv, meta, rows if trim and i == last else None)
         assert residual is not None, "a model has at least one layer"
         return self.ops.add_rms_norm(x, residual, self.norm, self.arch.rms_norm_eps)[0]  # (T or N, hidden)
 
@@ -222,15 +263,21 @@ class LlamaModel(nn.Module):
             self.stack = stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32."""
-        return self.head(hidden).float()
+        """(N, hidden) -> (N, vocab) float32, scaled and soft-capped where the family does."""
+        logits = self.head(hidden).float()
+        if self.arch.logit_scale != 1.0:
+            logits = logits * self.arch.logit_scale
+        cap = self.arch.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, get: WeightGetter) -> None:
         """Fill every parameter from HF-named tensors; `get(name, shape)` returns one checked tensor."""
         a, p = self.arch, "model."
         with torch.no_grad():
             set_weight(self, "embed", [get(p + "embed_tokens.weight", (a.vocab_size, a.hidden_size))])
-            self.norm.copy_(dense(get(p + "norm.weight", (a.hidden_size,))))
+            _load_norm(self.norm, get(p + "norm.weight", (a.hidden_size,)), a)
             if not a.tie_word_embeddings:
                 set_weight(self, "lm_head", [get("lm_head.weight", (a.vocab_size, a.hidden_size))])
             elif isinstance(self.embed, QuantizedTensor):  # the tied head follows the table out of the params
@@ -238,6 +285,12 @@ class LlamaModel(nn.Module):
                 self.lm_head = self.embed
             for i, layer in enumerate(self.layers):
                 _load_layer(layer, f"{p}layers.{i}.", a, get)  # type: ignore[arg-type]
+
+
+def _given(weight: torch.Tensor | None) -> torch.Tensor:
+    """A norm's weight that this layer's layout has (the layout decides which it reads)."""
+    assert weight is not None
+    return weight
 
 
 def _unbound(x: torch.Tensor) -> torch.Tensor:
@@ -287,21 +340,65 @@ def bind_linear(ops: KernelSet, weight: Weight | list[Weight], bias: torch.Tenso
     return lambda x: torch.cat([f(x) for f in projections], dim=-1)
 
 
+def _load_norm(param: torch.Tensor, weight: Weight, a: ModelArch) -> None:
+    """A norm's weight, with the family's offset folded in (Gemma's (1 + w))."""
+    w = dense(weight).float()
+    param.copy_(w + a.norm_offset if a.norm_offset else w)
+
+
 def _load_layer(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) -> None:
     h, f = a.hidden_size, a.intermediate_size
-    layer.input_norm.copy_(dense(get(p + "input_layernorm.weight", (h,))))
-    layer.post_norm.copy_(dense(get(p + "post_attention_layernorm.weight", (h,))))
+    norms = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+             "pre_ff_norm": "pre_feedforward_layernorm", "post_ff_norm": "post_feedforward_layernorm"}
+    for attr, name in norms.items():
+        param = getattr(layer, attr)
+        if param is not None:
+            _load_norm(param, get(f"{p}{name}.weight", (h,)), a)
     att, mlp = p + "self_attn.", p + "mlp."
+    order = _rotary_rows(a)
+    for attr, name in (("q_norm", "q_norm"), ("k_norm", "k_norm")):
+        param = getattr(layer, attr)
+        if param is not None:
+            w = dense(get(f"{att}{name}.weight", (param.shape[0],)))
+            _load_norm(param, w if order is None else w.view(-1, a.head_dim)[:, order].reshape(-1), a)
     sizes = {"q_proj": a.q_size, "k_proj": a.kv_size, "v_proj": a.kv_size}
-    set_weight(layer, "qkv_w", [get(f"{att}{n}.weight", (s, h)) for n, s in sizes.items()])
+    if a.fused_checkpoint:  # Phi-3: one qkv_proj, one gate_up_proj (gate first)
+        qkv = dense(get(att + "qkv_proj.weight", (a.q_size + 2 * a.kv_size, h)))
+        parts: list[Weight] = list(qkv.split(list(sizes.values())))
+    else:
+        parts = [get(f"{att}{n}.weight", (s, h)) for n, s in sizes.items()]
+    if order is not None:  # partial rotary: q and k rows in the table's layout (troupe.models.rope)
+        parts[0], parts[1] = _permute_heads(parts[0], order, a), _permute_heads(parts[1], order, a)
+    set_weight(layer, "qkv_w", parts)
     if layer.qkv_b is not None:
-        layer.qkv_b.copy_(torch.cat([dense(get(f"{att}{n}.bias", (s,))) for n, s in sizes.items()]))
+        biases = [dense(get(f"{att}{n}.bias", (s,))) for n, s in sizes.items()]
+        if order is not None:
+            biases[0], biases[1] = (_permute_heads(b.unsqueeze(1), order, a).squeeze(1) for b in biases[:2])
+        layer.qkv_b.copy_(torch.cat(biases))
     set_weight(layer, "o_w", [get(att + "o_proj.weight", (h, a.q_size))])
     if layer.o_b is not None:
         layer.o_b.copy_(dense(get(att + "o_proj.bias", (h,))))
-    set_weight(layer, "gate_up_w", [get(mlp + "gate_proj.weight", (f, h)), get(mlp + "up_proj.weight", (f, h))])
+    if a.fused_checkpoint:
+        set_weight(layer, "gate_up_w", [get(mlp + "gate_up_proj.weight", (2 * f, h))])
+    else:
+        set_weight(layer, "gate_up_w", [get(mlp + "gate_proj.weight", (f, h)), get(mlp + "up_proj.weight", (f, h))])
     set_weight(layer, "down_w", [get(mlp + "down_proj.weight", (h, f))])
     if layer.gate_up_b is not None and layer.down_b is not None:
         layer.gate_up_b.copy_(torch.cat([dense(get(mlp + "gate_proj.bias", (f,))),
                                          dense(get(mlp + "up_proj.bias", (f,)))]))
         layer.down_b.copy_(dense(get(mlp + "down_proj.bias", (h,))))
+
+
+def _rotary_rows(a: ModelArch) -> torch.Tensor | None:
+    """The per-head dim order of q and k for a partial rotary embedding; None when every dim rotates."""
+    if a.rotary_dim in (0, a.head_dim):
+        return None
+    return partial_rotary_order(a.head_dim, a.rotary_dim)
+
+
+def _permute_heads(w: Weight, order: torch.Tensor, a: ModelArch) -> torch.Tensor:
+    """The rows of a q or k projection (heads * D, ...) with each head's dims in `order`."""
+    if isinstance(w, QuantizedTensor):
+        raise ValueError("a partial rotary embedding on quantized q/k weights is not supported")
+    rows = w.shape[0]
+    return w.reshape(rows // a.head_dim, a.head_dim, -1)[:, order].reshape(rows, -1)

@@ -10,28 +10,61 @@
   it (a NUL or a newline in a header value, a malformed request line) gets a 400 with
   `{"error": {...}}`, like every other 4xx, instead of uvicorn's text/plain.
 
-The other edge bounds are uvicorn's own settings, passed by the launcher: `--limit-concurrency`
-(connections; past it a 503), `--timeout-keep-alive` (an idle kept-alive connection). The body's
-read deadline is the app's (`serving.read_body`, `--body-timeout`): a 408.
+- **A connection limit with an OpenAI 503.** With `limit_concurrency` (`--limit-concurrency`), a
+  request that arrives while more connections are open, or more requests in flight, than the limit
+  gets a 503 `service_unavailable` body and the connection closes; uvicorn's own check (not used)
+  answers text/plain.
+
+`--timeout-keep-alive` (an idle kept-alive connection) is uvicorn's own setting. The body's read
+deadline is the app's (`serving.read_body`, `--body-timeout`): a 408.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from troupe.server.errors import bad_request
+from troupe.server.errors import APIError, bad_request
+
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+_OVER_LIMIT = msgspec.json.encode(APIError(503, "the server is at its connection limit (--limit-concurrency); retry "
+                                           "later", type="service_unavailable").body())
 
 
 class EdgeProtocol(H11Protocol):
-    """See the module docstring; `header_timeout` is set by `edge_protocol`."""
+    """See the module docstring; `header_timeout` and `limit_concurrency` are set by `edge_protocol`."""
 
     header_timeout = 10.0
+    max_concurrency: int | None = None
     _header_timer: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.max_concurrency is not None:
+            self.app = self._limited(self.app)
+
+    def _limited(self, app: ASGIApp) -> ASGIApp:
+        """`app` behind the connection limit: this request's own connection and task are counted."""
+        limit = self.max_concurrency
+        assert limit is not None
+
+        async def limited(scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
+                          send: Callable[[Any], Awaitable[None]]) -> None:
+            if scope["type"] == "http" and (len(self.connections) > limit or len(self.tasks) > limit):
+                self.logger.warning("refusing a request past the connection limit (%s)", limit)
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                        (b"content-length", str(len(_OVER_LIMIT)).encode())]})
+                await send({"type": "http.response.body", "body": _OVER_LIMIT})
+                return
+            await app(scope, receive, send)
+
+        return limited
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -80,6 +113,8 @@ class EdgeProtocol(H11Protocol):
         self.transport.close()
 
 
-def edge_protocol(header_timeout: float) -> type[EdgeProtocol]:
-    """`EdgeProtocol` with this header deadline (uvicorn instantiates the class per connection)."""
-    return type("EdgeProtocol", (EdgeProtocol,), {"header_timeout": header_timeout})
+def edge_protocol(header_timeout: float, limit_concurrency: int | None = None) -> type[EdgeProtocol]:
+    """`EdgeProtocol` with this header deadline and connection limit (uvicorn instantiates the class per
+    connection)."""
+    return type("EdgeProtocol", (EdgeProtocol,), {"header_timeout": header_timeout,
+                                                  "max_concurrency": limit_concurrency})

@@ -171,8 +171,8 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
     print(f"troupe serve: http://{host}:{port}", flush=True)
     grace = max(0.0, args.shutdown_timeout)
     config = uvicorn.Config(app, lifespan="on", log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=grace + 5.0, http=edge_protocol(args.header_timeout),
-                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+                            timeout_graceful_shutdown=grace + 5.0, http=edge_protocol(args.header_timeout, args.limit_concurrency),
+                            timeout_keep_alive=args.timeout_keep_alive)
     run = _Run(app.state.troupe, _server_class()(config), grace)
     async with anyio.create_task_group() as tg:
         tg.start_soon(_on_signals, run)

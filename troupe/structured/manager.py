@@ -9,7 +9,8 @@ Contract (the engine core calls it; nothing here runs on the event loop):
 - `poll()` returns the requests whose grammar is ready (each now has a `Matcher`) and those whose
   compilation failed, with the error text (only that request fails), a compilation still running
   `compile_timeout_s` after its request was submitted among them (the request fails; xgrammar cannot
-  be interrupted, so the compilation runs on into the cache, holding its thread); `wait(timeout)`
+  be interrupted, so the compilation runs on into the cache, holding its thread). The clock starts once
+  the compiler exists (`_ready_at`): its one-time build is not a request's compile time. `wait(timeout)`
   blocks until one more is done or the timeout passes (the engine calls it only when it has nothing
   else to run).
 - `matcher(request_id)` is the request's matcher once ready; `forget(request_id)` drops a finished or
@@ -54,6 +55,7 @@ class StructuredOutputManager:
         self._pending: dict[str, Future[Any]] = {}
         self._matchers: dict[str, Matcher] = {}
         self.num_compiled = 0  # compilations run (cache misses)
+        self._ready_at: float | None = None  # when the compiler was built; no deadline runs before
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -65,6 +67,7 @@ class StructuredOutputManager:
         with self._compiler_lock:  # built once, by the first worker thread that needs it
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self._load_tokenizer(), self.vocab_size, self._stop_token_ids)
+                self._ready_at = time.monotonic()
             self.num_compiled += 1
         return self._compiler.compile(spec)  # xgrammar's compiler is thread-safe
 
@@ -95,7 +98,7 @@ class StructuredOutputManager:
         now = time.monotonic()
         for rid, future in list(self._pending.items()):
             if not future.done():
-                if now - self._submitted[rid] > self.compile_timeout_s:
+                if self._ready_at is not None and now - self._deadline_base(rid) > self.compile_timeout_s:
                     self.forget(rid)
                     failed[rid] = (f"grammar compilation took over {self.compile_timeout_s:g} s "
                                    "(grammar_compile_timeout_s)")
@@ -114,9 +117,14 @@ class StructuredOutputManager:
             ready.append(rid)
         return ready, failed
 
+    def _deadline_base(self, request_id: str) -> float:
+        """When `request_id`'s compile deadline started: its submission, or the compiler's build if later."""
+        return max(self._submitted[request_id], self._ready_at or 0.0)
+
     def wait(self, timeout: float) -> None:
         if self._pending:
-            due = min(self._submitted.values()) + self.compile_timeout_s - time.monotonic()
+            due = timeout if self._ready_at is None else \
+                min(map(self._deadline_base, self._pending)) + self.compile_timeout_s - time.monotonic()
             wait_futures(list(self._pending.values()), timeout=max(0.0, min(timeout, due)),
                          return_when=FIRST_COMPLETED)
 
