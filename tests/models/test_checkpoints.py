@@ -1,4 +1,4 @@
-"""Checkpoints honestly: quantized HF folders (vLLM's fp8, GPTQ) compute on the weights they mean, other
+"""Checkpoints honestly: quantized HF folders (vLLM's fp8, GPTQ, AWQ) compute on the weights they mean, other
 formats and unused tensors are refused by name, max_model_len above the model's is an error, float16 runs.
 
 Each quantized folder is written here from one tiny random Llama (`make_tiny_model`), quantized with torch
@@ -121,12 +121,36 @@ def gptq_quantize(w: torch.Tensor, bits: int, group: int, act_order: bool,
     shifts = torch.arange(per_word) * bits
 
     def to_int32(words: torch.Tensor) -> torch.Tensor:
-        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
     qweight = to_int32((q.reshape(inp // per_word, per_word, out) << shifts.view(1, -1, 1)).sum(1))
     zeros = torch.full((groups, out), mid - 1, dtype=torch.int64)
     qzeros = to_int32((zeros.reshape(groups, out // per_word, per_word) << shifts).sum(2))
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx.int()}, dequant
+
+
+def awq_quantize(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(qweight, qzeros, scales, the dequantized weight) of one (out, in) weight in AutoAWQ's GEMM layout,
+    written from the format: asymmetric 4-bit per group of input rows, q = round(w / s) + z; words of 8
+    output columns, column 8j + ORDER[i] in nibble i; qweight (in, out / 8), qzeros (groups, out / 8)."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    out, inp = w.shape
+    wt = w.t().reshape(inp // group, group, out)  # (groups, group, out)
+    lo, hi = wt.amin(dim=1), wt.amax(dim=1)  # (groups, out)
+    scales = ((hi - lo) / 15).half()  # (groups, out)
+    s = scales.float()
+    zeros = torch.round(-lo / s).clamp(0, 15).long()  # (groups, out)
+    q = (torch.round(wt / s.unsqueeze(1)) + zeros.unsqueeze(1)).clamp(0, 15).long().reshape(inp, out)
+    g = torch.arange(inp) // group
+    dequant = ((q - zeros[g]).float() * s[g]).t().contiguous()  # (out, in)
+
+    def pack(v: torch.Tensor) -> torch.Tensor:  # (R, out) -> (R, out / 8) int32
+        cols = v.reshape(v.shape[0], -1, 8)
+        words = sum(cols[:, :, order[i]] << (4 * i) for i in range(8))
+        assert isinstance(words, torch.Tensor)
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+    return {"qweight": pack(q), "qzeros": pack(zeros), "scales": scales}, dequant
 
 
 def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Path, Path]:
@@ -142,6 +166,8 @@ def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Pa
             parts, exact[name + ".weight"] = fp8_quantize(w, "per-tensor" if variant == "static" else variant)
             if variant == "static":
                 parts["input_scale"] = torch.tensor(0.02)
+        elif method == "awq":
+            parts, exact[name + ".weight"] = awq_quantize(w, 64)
         else:
             bits = 8 if variant == "8bit" else 4
             parts, exact[name + ".weight"] = gptq_quantize(w, bits, 128, variant == "act-order", gen)
@@ -150,6 +176,8 @@ def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Pa
         quant = {"quant_method": "fp8", "activation_scheme": "static" if variant == "static" else "dynamic"}
         if variant == "block":
             quant["weight_block_size"] = [64, 64]
+    elif method == "awq":
+        quant = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
     else:
         quant = {"quant_method": "gptq", "bits": 8 if variant == "8bit" else 4, "group_size": 128,
                  "desc_act": variant == "act-order", "sym": True, "checkpoint_format": "gptq"}
@@ -196,14 +224,14 @@ def greedy(folder: Path, **options: Any) -> dict[str, list[int]]:
 # ------------------------------------------------------------------------------------ quantized folders
 
 VARIANTS = [("fp8", "per-tensor"), ("fp8", "per-channel"), ("fp8", "block"), ("fp8", "static"),
-            ("gptq", "4bit"), ("gptq", "8bit"), ("gptq", "act-order"), ("gptq", "quantize_config")]
+            ("gptq", "4bit"), ("gptq", "8bit"), ("gptq", "act-order"), ("gptq", "quantize_config"), ("awq", "gemm")]
 
 
 @pytest.mark.parametrize(("method", "variant"), VARIANTS, ids=[f"{m}-{v}" for m, v in VARIANTS])
 def test_quantized_weights_are_their_dequantized_values(pairs: Any, base: Path, method: str, variant: str):
-    """Each weight of an fp8 / GPTQ folder is its stored values times its scales (GPTQ: minus its zero point),
-    exactly, whatever form it loads in (GPTQ groups of consecutive rows as Q4_0 / Q8_0 blocks); fp8 is not
-    the bare upcast (the scales matter)."""
+    """Each weight of an fp8 / GPTQ / AWQ folder is its stored values times its scales (GPTQ, AWQ: minus its
+    zero point), exactly, whatever form it loads in (GPTQ groups of consecutive rows as Q4_0 / Q8_0 blocks);
+    fp8 is not the bare upcast (the scales matter)."""
     quantized, plain = pairs(method, variant)
     expected = load_file(plain / "model.safetensors")
     scheme = read_quant_scheme(quantized, json.loads((quantized / "config.json").read_text()))
@@ -222,7 +250,7 @@ def test_quantized_weights_are_their_dequantized_values(pairs: Any, base: Path, 
 
 
 @pytest.mark.parametrize(("method", "variant", "quantization"), [
-    ("fp8", "block", "auto"), ("gptq", "act-order", "auto"), ("gptq", "4bit", "dequantize")])
+    ("fp8", "block", "auto"), ("gptq", "act-order", "auto"), ("gptq", "4bit", "dequantize"), ("awq", "gemm", "auto")])
 def test_quantized_folder_logits_are_the_dequantized_folders(pairs: Any, method: str, variant: str,
                                                              quantization: str):
     """Through load_model, the logits at every position are those of the plain folder of the dequantized
@@ -232,7 +260,7 @@ def test_quantized_folder_logits_are_the_dequantized_folders(pairs: Any, method:
     torch.testing.assert_close(all_logits(quantized, model_out=models, quantization=quantization), all_logits(plain),
                                atol=1e-5, rtol=1e-5)
     kept = isinstance(models[0].layers[0].qkv_w, QuantizedTensor)
-    assert kept == (method == "gptq" and quantization == "auto")  # act-order: q/k/v have one group each
+    assert kept == (method == "gptq" and quantization == "auto")  # act-order: q/k/v have one group each; AWQ never
 
 
 @pytest.mark.parametrize(("method", "variant", "kernels"), [
@@ -254,7 +282,9 @@ def _config_with(folder: Path, dst: Path, quant: dict[str, Any]) -> Path:
 
 
 @pytest.mark.parametrize(("quant", "match"), [
-    ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported; supported: fp8 .*gptq"),
+    ({"quant_method": "aqlm"}, r"quant_method 'aqlm' is not supported; supported: fp8 .*gptq .*awq"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"'awq' with version 'gemv'"),
+    ({"quant_method": "awq", "bits": 4, "zero_point": False}, r"'awq' with zero_point false"),
     ({"quant_method": "compressed-tensors"}, r"quant_method 'compressed-tensors' is not supported"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"'gptq' with bits 3 is not supported"),

@@ -4,8 +4,8 @@ checkpoint holds is used or accounted for (`check_unused`).
 1. `CheckpointWeights(folder, scheme, keep_blocks)` opens the folder's safetensors files (those
    `model.safetensors.index.json` names, else every `*.safetensors`).
 2. `get(name, shape)` returns one shape-checked weight: a plain tensor as stored; in an fp8 checkpoint a
-   float8 weight times its scale; in a GPTQ one, `X.weight` from `X.qweight` / `qzeros` / `scales` / `g_idx`
-   (`troupe.models.checkpoint_quant`). A float8 weight outside an fp8 checkpoint, or without its scale, is a
+   float8 weight times its scale; in a GPTQ / AWQ one, `X.weight` from `X.qweight` / `qzeros` / `scales`
+   (/ `g_idx`) (`troupe.models.checkpoint_quant`). A float8 weight outside an fp8 checkpoint, or without its scale, is a
    `ModelLoadError`: upcast alone it would be wrong from the first token.
 3. Every tensor `get` reads is marked used. After the model has loaded, `unused()` holds the rest and
    `check_unused` turns them into a `ModelLoadError` naming them (a checkpoint of another variant, a weight
@@ -26,13 +26,15 @@ import torch
 from troupe.errors import ModelLoadError
 from troupe.kernels.quant import Weight
 from troupe.models.checkpoint_quant import (
+    AwqScheme,
     Fp8Scheme,
     GptqScheme,
     QuantScheme,
+    awq_weight,
     dequantize_fp8,
-    gptq_shapes,
     gptq_weight,
     is_fp8,
+    packed_shapes,
 )
 
 log = structlog.get_logger("troupe.models")
@@ -80,8 +82,8 @@ class CheckpointWeights:
     def get(self, name: str, shape: tuple[int, ...]) -> Weight:
         """The weight `name` of `shape`, in the form the checkpoint's format gives (module docstring, 2)."""
         base = name.removesuffix(".weight")
-        if isinstance(self.scheme, GptqScheme) and name not in self._where and base + ".qweight" in self._where:
-            return self._gptq(base, shape)
+        if isinstance(self.scheme, GptqScheme | AwqScheme) and name not in self._where and base + ".qweight" in self._where:
+            return self._packed(base, shape)
         w = self.read(name, shape)
         if not is_fp8(w):
             return w
@@ -110,16 +112,19 @@ class CheckpointWeights:
         self._used.add(name)
         return t
 
-    def _gptq(self, base: str, shape: tuple[int, ...]) -> Weight:
+    def _packed(self, base: str, shape: tuple[int, ...]) -> Weight:
+        """A GPTQ / AWQ weight from its packed tensors (`checkpoint_quant`)."""
         scheme = self.scheme
-        assert isinstance(scheme, GptqScheme)
+        assert isinstance(scheme, GptqScheme | AwqScheme)
         out, inp = shape
         where = f"{self._file(base + '.qweight')}: {base!r}"
         if inp % scheme.pack or out % scheme.pack or (scheme.group_size > 0 and inp % scheme.group_size):
-            raise ModelLoadError(f"{where}: a GPTQ weight of {list(shape)} does not fit {scheme.bits}-bit words "
-                                 f"and group_size {scheme.group_size}")
-        parts = {k: self.read(f"{base}.{k}", s) for k, s in gptq_shapes(scheme, out, inp).items()
+            raise ModelLoadError(f"{where}: a packed weight of {list(shape)} does not fit {32 // scheme.pack}-bit "
+                                 f"words and group_size {scheme.group_size}")
+        parts = {k: self.read(f"{base}.{k}", s) for k, s in packed_shapes(scheme, out, inp).items()
                  if k != "g_idx" or f"{base}.g_idx" in self._where}
+        if isinstance(scheme, AwqScheme):
+            return awq_weight(parts, scheme)
         return gptq_weight(parts, scheme, self.keep_blocks, where)
 
     def _file(self, name: str) -> Path:

@@ -24,6 +24,12 @@ what troupe computes with.
    groups of consecutive rows in multiples of 32, every zero at the symmetric midpoint): 4 bits -> Q4_0
    (`d * (nibble - 8)`, d the group's float16 scale), 8 bits -> Q8_0 (`d * (q - 128)`); otherwise it
    dequantizes to float32.
+4. AWQ (AutoAWQ's GEMM layout, what vLLM's awq.py reads; `bits` 4, `zero_point: true`, any `group_size`):
+   `X.qweight` int32 (in, out / 8) packs 8 output columns per word, column 8j + k in nibble
+   `AWQ_NIBBLE[k]` (AutoAWQ's order 0 2 4 6 1 3 5 7, reversed); `X.qzeros` int32 (groups, out / 8) the
+   zero points packed the same way; `X.scales` (groups, out) float16; `W[o, i] = scales[g, o] * (q[i, o] -
+   zero[g, o])`, g = i // group_size. Its zero points are asymmetric, which no kept block format holds
+   exactly (Q4_1's `m` would round `-zero * scale` to float16), so `awq_weight` dequantizes to float32.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from troupe.errors import ModelLoadError
 from troupe.kernels.quant import QType, QuantizedTensor, Weight
 
 SUPPORTED = ("fp8 (per-tensor, per-channel or block-wise weight scales)",
-             "gptq (4 or 8 bits, symmetric, any group size, desc_act true or false)")
+             "gptq (4 or 8 bits, symmetric, any group size, desc_act true or false)",
+             "awq (4 bits, zero_point true, GEMM layout, any group size)")
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble of a word holding output column 8j + k
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to a stored zero point
 
 
@@ -60,7 +68,13 @@ class GptqScheme:
         return 32 // self.bits
 
 
-QuantScheme = Fp8Scheme | GptqScheme | None
+@dataclass(frozen=True, slots=True)
+class AwqScheme:
+    group_size: int  # input rows per scale and zero point; -1: one group
+    pack: int = 8  # 4-bit values per int32 word
+
+
+QuantScheme = Fp8Scheme | GptqScheme | AwqScheme | None
 
 
 def read_quant_scheme(folder: Path, cfg: dict[str, Any]) -> QuantScheme:
@@ -84,6 +98,8 @@ def read_quant_scheme(folder: Path, cfg: dict[str, Any]) -> QuantScheme:
         return _fp8_scheme(qc, where)
     if method == "gptq":
         return _gptq_scheme(qc, where)
+    if method == "awq":
+        return _awq_scheme(qc, where)
     raise ModelLoadError(f"{where}: quant_method {qc.get('quant_method')!r} is not supported; supported: "
                          f"{'; '.join(SUPPORTED)}")
 
@@ -121,6 +137,23 @@ def _gptq_scheme(qc: dict[str, Any], where: str) -> GptqScheme:
     return GptqScheme(int(bits), group, bool(qc.get("desc_act", False)), _GPTQ_FORMATS[fmt])
 
 
+def _awq_scheme(qc: dict[str, Any], where: str) -> AwqScheme:
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{where}: quant_method 'awq' with {what} is not supported; supported: {SUPPORTED[2]}")
+
+    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size", -1))
+    if bits != 4:
+        raise refuse(f"bits {bits!r}")
+    if not isinstance(group, int) or not (group == -1 or group > 0):
+        raise refuse(f"group_size {group!r}")
+    if qc.get("zero_point", True) is not True:
+        raise refuse("zero_point false")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise refuse(f"version {version!r} (only the GEMM layout)")
+    return AwqScheme(group)
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point and t.element_size() == 1
 
@@ -147,9 +180,11 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
                          f"{[out, 1]} (per output channel) for a weight of {[out, inp]}")
 
 
-def gptq_shapes(scheme: GptqScheme, out: int, inp: int) -> dict[str, tuple[int, ...]]:
-    """The shapes of the tensors that hold a GPTQ weight of (out, in)."""
+def packed_shapes(scheme: GptqScheme | AwqScheme, out: int, inp: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors that hold a GPTQ or AWQ weight of (out, in)."""
     groups = 1 if scheme.group_size == -1 else -(-inp // scheme.group_size)
+    if isinstance(scheme, AwqScheme):
+        return {"qweight": (inp, out // 8), "qzeros": (groups, out // 8), "scales": (groups, out)}
     return {"qweight": (inp // scheme.pack, out), "qzeros": (groups, out // scheme.pack),
             "scales": (groups, out), "g_idx": (inp,)}
 
@@ -171,6 +206,23 @@ def gptq_weight(t: dict[str, torch.Tensor], scheme: GptqScheme, keep_blocks: boo
     if keep_blocks and exact and torch.equal(g_idx, rows // group) and bool((zeros == mid).all()):
         return _repack(q, scales, group, scheme.bits)
     return ((q - zeros[g_idx]).float() * scales[g_idx].float()).t().contiguous()  # (out, in)
+
+
+def awq_weight(t: dict[str, torch.Tensor], scheme: AwqScheme) -> torch.Tensor:
+    """One AWQ weight from its tensors `t` (qweight, qzeros, scales), shapes already checked: (out, in) float32."""
+    inp = t["qweight"].shape[0]
+    group = inp if scheme.group_size == -1 else scheme.group_size
+    order = torch.tensor(AWQ_NIBBLE).argsort()  # value j of a word (nibble j) -> which column of 8 it holds
+
+    def columns(packed: torch.Tensor) -> torch.Tensor:  # (R, C) words -> (R, 8 C) values in column order
+        vals = _unpack(packed, 4, dim=1).reshape(packed.shape[0], -1, 8)  # (R, C, 8) by nibble
+        out = torch.empty_like(vals)
+        out[:, :, order] = vals
+        return out.reshape(packed.shape[0], -1)
+
+    g = torch.arange(inp) // group  # (in,)
+    q, zeros = columns(t["qweight"]), columns(t["qzeros"])  # (in, out), (groups, out)
+    return ((q - zeros[g]).float() * t["scales"][g].float()).t().contiguous()  # (out, in)
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

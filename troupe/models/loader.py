@@ -2,7 +2,7 @@
 
 A model is an HF-style folder or a GGUF file. A folder holds `config.json`, one or several `*.safetensors`
 (with or without `model.safetensors.index.json`), tokenizer files and optionally `generation_config.json`;
-its weights load in the model's dtype, a quantized folder's (`quantization_config`: vLLM's fp8, GPTQ) as
+its weights load in the model's dtype, a quantized folder's (`quantization_config`: vLLM's fp8, GPTQ, AWQ) as
 `troupe.models.checkpoint_quant` says, and a tensor the model does not use is an error (`checkpoint`). A
 `max_model_len` above the model's limit is an error naming both (`check_max_model_len`). A GGUF file (`troupe.models.gguf`) holds the architecture in its
 metadata, the tokenizer (rebuilt once into cached tokenizer files, `gguf_tokenizer`) and the weights in
