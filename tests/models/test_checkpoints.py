@@ -100,12 +100,13 @@ def fp8_quantize(w: torch.Tensor, kind: str) -> tuple[dict[str, torch.Tensor], t
     return {"weight": q, key: scale.float().contiguous()}, q.float() * full
 
 
-def gptq_quantize(w: torch.Tensor, bits: int, group: int, act_order: bool,
-                  gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def gptq_quantize(w: torch.Tensor, bits: int, group: int, act_order: bool, gen: torch.Generator,
+                  v2: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(qweight, qzeros, scales, g_idx, the dequantized weight) of one (out, in) weight, symmetric GPTQ written
     from the format (AutoGPTQ's "gptq" checkpoint_format): q in [0, 2**bits), zero 2**(bits-1) stored minus
-    one, words of 32 / bits values, lowest bits first; qweight packed along the input dim, qzeros along the
-    output dim. `act_order`: groups assigned through a random order of the input rows (desc_act)."""
+    one (`v2`, GPTQModel's "gptq_v2": as it is), words of 32 / bits values, lowest bits first; qweight packed
+    along the input dim, qzeros along the output dim. `act_order`: groups assigned through a random order of
+    the input rows (desc_act)."""
     out, inp = w.shape
     mid, top, per_word = 1 << (bits - 1), (1 << bits) - 1, 32 // bits
     order = torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)
@@ -124,7 +125,7 @@ def gptq_quantize(w: torch.Tensor, bits: int, group: int, act_order: bool,
         return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
     qweight = to_int32((q.reshape(inp // per_word, per_word, out) << shifts.view(1, -1, 1)).sum(1))
-    zeros = torch.full((groups, out), mid - 1, dtype=torch.int64)
+    zeros = torch.full((groups, out), mid if v2 else mid - 1, dtype=torch.int64)
     qzeros = to_int32((zeros.reshape(groups, out // per_word, per_word) << shifts).sum(2))
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx.int()}, dequant
 
@@ -170,7 +171,7 @@ def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Pa
             parts, exact[name + ".weight"] = awq_quantize(w, 64)
         else:
             bits = 8 if variant == "8bit" else 4
-            parts, exact[name + ".weight"] = gptq_quantize(w, bits, 128, variant == "act-order", gen)
+            parts, exact[name + ".weight"] = gptq_quantize(w, bits, 128, variant == "act-order", gen, variant == "v2")
         stored |= {f"{name}.{k}": v for k, v in parts.items()}
     if method == "fp8":
         quant = {"quant_method": "fp8", "activation_scheme": "static" if variant == "static" else "dynamic"}
@@ -180,7 +181,8 @@ def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Pa
         quant = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
     else:
         quant = {"quant_method": "gptq", "bits": 8 if variant == "8bit" else 4, "group_size": 128,
-                 "desc_act": variant == "act-order", "sym": True, "checkpoint_format": "gptq"}
+                 "desc_act": variant == "act-order", "sym": True,
+                 "checkpoint_format": "gptq_v2" if variant == "v2" else "gptq"}
     tag = f"{method}-{variant}"
     quant_file = "quantize_config.json" if variant == "quantize_config" else "config.json"
     if quant_file != "config.json":
@@ -224,7 +226,8 @@ def greedy(folder: Path, **options: Any) -> dict[str, list[int]]:
 # ------------------------------------------------------------------------------------ quantized folders
 
 VARIANTS = [("fp8", "per-tensor"), ("fp8", "per-channel"), ("fp8", "block"), ("fp8", "static"),
-            ("gptq", "4bit"), ("gptq", "8bit"), ("gptq", "act-order"), ("gptq", "quantize_config"), ("awq", "gemm")]
+            ("gptq", "4bit"), ("gptq", "8bit"), ("gptq", "act-order"), ("gptq", "quantize_config"), ("gptq", "v2"),
+            ("awq", "gemm")]
 
 
 @pytest.mark.parametrize(("method", "variant"), VARIANTS, ids=[f"{m}-{v}" for m, v in VARIANTS])

@@ -2,9 +2,9 @@
 what troupe computes with.
 
 1. `read_quant_scheme(folder, cfg)` reads config.json's `quantization_config` (else an AutoGPTQ
-   `quantize_config.json`): `None` (plain weights), an `Fp8Scheme` or a `GptqScheme`. Any other `quant_method`,
-   or a variant of these two troupe does not compute exactly, is a `ModelLoadError` naming `quant_method` and
-   what is supported (`SUPPORTED`).
+   `quantize_config.json`): `None` (plain weights), an `Fp8Scheme`, a `GptqScheme` or an `AwqScheme`. Any
+   other `quant_method`, or a variant of these three troupe does not compute exactly, is a `ModelLoadError`
+   naming `quant_method` and what is supported (`SUPPORTED`).
 2. `fp8` (vLLM's / llm-compressor's "fp8" format, what vLLM's `Fp8LinearMethod` reads): a linear weight
    `X.weight` (out, in) is float8 (e4m3fn) with `X.weight_scale`, one float32 per tensor (shape () or (1,)) or
    per output channel ((out,) or (out, 1)); with `weight_block_size: [bo, bi]` the scale is
@@ -13,7 +13,9 @@ what troupe computes with.
    troupe computes on the weights the checkpoint means; nothing stays in fp8. `input_scale` (a static
    activation scale, `activation_scheme: "static"`) is not used: troupe does not quantize activations, its
    results are those of the dequantized weights with activations in the model dtype (vLLM's fp8 GEMMs also
-   round the activations to fp8). Layers left unquantized (`ignored_layers`) are plain tensors and load as such.
+   round the activations to fp8). Layers left unquantized (`ignored_layers`) are plain tensors and load as such,
+   and so does a folder whose weights are not float8 at all (vLLM would quantize those online; troupe keeps
+   the original weights).
 3. GPTQ (AutoGPTQ / GPTQModel, what vLLM's gptq.py reads; `bits` 4 or 8, `sym: true`, any `group_size`,
    `desc_act` either way): `X.qweight` int32 (in / p, out) holds p = 32 / bits values per word along the
    input dim, value i of a word at bits [bits*i, bits*(i+1)); `X.qzeros` int32 (groups, out / p) the zero

