@@ -414,3 +414,29 @@ def test_float16_runs_on_the_eager_set(tiny_llama: Path):
     with pytest.raises(InvalidInputError, match=r"kernels: 'cpu' computes float32 and bfloat16 activations, not "
                                                 r"float16"):
         EngineCore(EngineConfig(model=str(tiny_llama), dtype="float16", kernels="cpu", num_kv_blocks=16))
+
+
+@pytest.mark.parametrize(("scaling", "window", "limit", "why"), [
+    (None, None, 2048, r"max_position_embeddings=2048 in"),
+    ({"rope_type": "linear", "factor": 4.0}, None, 8192, r"max_position_embeddings=2048 times the rope scaling "
+                                                          r"factor 4.0"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 256}, None, 2048, r"max_position_embeddings=2048 in"),
+    (None, 512, 512, r"its sliding window of 512 tokens"),
+])
+def test_the_model_limit_is_derived_as_vllm_does(tmp_path: Path, scaling: dict[str, Any] | None, window: int | None,
+                                                 limit: int, why: str):
+    """The limit is max_position_embeddings, times the factor of a rope scaling that stretches it (linear; not
+    llama3, whose max_position_embeddings is already the long one), or a sliding window troupe serves as the
+    context; the error one above it names what it came from."""
+    from troupe.models.loader import check_max_model_len, read_model_info
+
+    arch = "mistral" if window else "llama"
+    extra = {"sliding_window": window} if window else {}
+    folder = make_tiny_model(tmp_path / "m", arch=arch, rope_scaling=scaling, **extra)
+    info = read_model_info(folder, "float32")
+    assert info.max_model_len == limit and check_max_model_len(None, info) == limit
+    assert check_max_model_len(limit, info) == limit
+    with pytest.raises(InvalidInputError, match=rf"max_model_len: {limit + 1} is greater than the model's limit of "
+                                                rf"{limit} \({why}"):
+        check_max_model_len(limit + 1, info)

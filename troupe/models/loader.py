@@ -66,7 +66,7 @@ class ModelInfo:
     arch: ModelArch
     dtype: torch.dtype
     vocab_size: int
-    max_model_len: int  # max_position_embeddings (capped by a sliding window)
+    max_model_len: int  # max_position_embeddings (times a linear rope factor, capped by a sliding window)
     eos_token_ids: list[int]  # generation_config.json, then the tokenizer's eos, deduplicated
     num_layers: int
     num_kv_heads: int
@@ -146,7 +146,7 @@ def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
         arch=arch,
         dtype=resolve_dtype(dtype),
         vocab_size=arch.vocab_size,
-        max_model_len=arch.max_position_embeddings,
+        max_model_len=derived_max_len(cfg, arch),
         eos_token_ids=_eos_token_ids(path, cfg),
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
@@ -158,8 +158,23 @@ def _gguf_info(path: Path, f: GGUFFile, dtype: str | torch.dtype) -> ModelInfo:
     cfg, arch = gguf.gguf_arch(f)
     return ModelInfo(path=path, architecture=arch.architecture, hf_config=cfg, arch=arch,
                      dtype=resolve_dtype(dtype, path), vocab_size=arch.vocab_size,
-                     max_model_len=arch.max_position_embeddings, eos_token_ids=gguf.eos_token_ids(f.metadata),
+                     max_model_len=derived_max_len(cfg, arch), eos_token_ids=gguf.eos_token_ids(f.metadata),
                      num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+
+
+def derived_max_len(cfg: dict[str, Any], arch: ModelArch) -> int:
+    """The model's context length as vLLM derives it (`_get_and_verify_max_len`): max_position_embeddings,
+    times the rope scaling factor for the rope types that stretch it (not llama3 / longrope, whose
+    max_position_embeddings already is the stretched length; yarn from original_max_position_embeddings);
+    capped, as `ModelArch` does, by a sliding window troupe serves as the context."""
+    limit = arch.max_position_embeddings
+    sc = arch.rope_scaling or {}
+    rope_type = sc.get("rope_type", "default")
+    stated = int(cfg.get("max_position_embeddings") or limit)
+    if rope_type in ("default", "llama3", "longrope", "su", "factors") or limit < stated:  # no stretch / windowed
+        return limit
+    base = int(sc["original_max_position_embeddings"]) if rope_type == "yarn" else stated
+    return int(base * float(sc.get("factor", 1.0)))
 
 
 def check_max_model_len(max_model_len: int | None, info: ModelInfo) -> int:
@@ -170,10 +185,12 @@ def check_max_model_len(max_model_len: int | None, info: ModelInfo) -> int:
     limit = info.max_model_len
     if max_model_len is None or max_model_len <= limit:
         return max_model_len or limit
-    why = f"{'context_length' if gguf.is_gguf(info.path) else 'max_position_embeddings'}={limit}"
-    stated = info.hf_config.get("max_position_embeddings")
-    if isinstance(stated, int) and stated > limit:
+    stated = int(info.hf_config.get("max_position_embeddings") or limit)
+    why = f"{'context_length' if gguf.is_gguf(info.path) else 'max_position_embeddings'}={stated}"
+    if stated > limit:
         why = f"its sliding window of {limit} tokens, which troupe serves as the context length"
+    elif stated < limit:
+        why += f" times the rope scaling factor {info.arch.rope_scaling and info.arch.rope_scaling.get('factor')}"
     if os.environ.get(ALLOW_LONG_ENV, "").lower() in ("1", "true"):
         log.warning("max_model_len above the model's limit, allowed by " + ALLOW_LONG_ENV,
                     max_model_len=max_model_len, model_limit=limit)
