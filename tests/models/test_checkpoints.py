@@ -1,4 +1,4 @@
-"""Checkpoints honestly: quantized HF folders (vLLM's fp8, GPTQ, AWQ) compute on the weights they mean, other
+"""Checkpoints honestly: quantized HF folders (vLLM's fp8, llm-compressor's fp8, GPTQ, AWQ) compute on the weights they mean, other
 formats and unused tensors are refused by name, max_model_len above the model's is an error, float16 runs.
 
 Each quantized folder is written here from one tiny random Llama (`make_tiny_model`), quantized with torch
@@ -81,9 +81,10 @@ def write_folder(base: Path, dst: Path, tensors: dict[str, torch.Tensor], quant:
 # ------------------------------------------------------------------------------------ writing the formats
 
 
-def fp8_quantize(w: torch.Tensor, kind: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(stored tensors under weight / weight_scale(_inv), the dequantized float32 weight) of one (out, in)
-    weight: one scale, one per output row, or one per 64 x 64 block (`weight_block_size` [64, 64])."""
+def fp8_quantize(w: torch.Tensor, kind: str, block_key: str = "weight_scale_inv") -> tuple[dict[str, torch.Tensor],
+                                                                                           torch.Tensor]:
+    """(stored tensors under weight / weight_scale (a block scale: `block_key`), the dequantized float32
+    weight) of one (out, in) weight: one scale, one per output row, or one per 64 x 64 block."""
     out, inp = w.shape
     if kind == "per-tensor":
         scale = w.abs().max() / FP8_MAX  # ()
@@ -96,7 +97,7 @@ def fp8_quantize(w: torch.Tensor, kind: str) -> tuple[dict[str, torch.Tensor], t
         scale = grid.abs().amax(dim=(1, 3)) / FP8_MAX  # (out / 64, in / 64)
         full = scale.repeat_interleave(64, 0).repeat_interleave(64, 1)  # (out, in)
     q = (w / full).to(torch.float8_e4m3fn)
-    key = "weight_scale_inv" if kind == "block" else "weight_scale"
+    key = block_key if kind == "block" else "weight_scale"
     return {"weight": q, key: scale.float().contiguous()}, q.float() * full
 
 
@@ -167,6 +168,8 @@ def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Pa
             parts, exact[name + ".weight"] = fp8_quantize(w, "per-tensor" if variant == "static" else variant)
             if variant == "static":
                 parts["input_scale"] = torch.tensor(0.02)
+        elif method == "compressed-tensors":
+            parts, exact[name + ".weight"] = fp8_quantize(w, variant, block_key="weight_scale")
         elif method == "awq":
             parts, exact[name + ".weight"] = awq_quantize(w, 64)
         else:
@@ -177,6 +180,14 @@ def quantized_pair(base: Path, tmp: Path, method: str, variant: str) -> tuple[Pa
         quant = {"quant_method": "fp8", "activation_scheme": "static" if variant == "static" else "dynamic"}
         if variant == "block":
             quant["weight_block_size"] = [64, 64]
+    elif method == "compressed-tensors":  # llm-compressor's FP8 (dynamic per-token activations)
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": "block" if variant == "block" else "channel",
+                   "block_structure": [64, 64] if variant == "block" else None}
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+        quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                 "quantization_status": "compressed", "config_groups": {
+                     "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}
     elif method == "awq":
         quant = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
     else:
@@ -227,7 +238,7 @@ def greedy(folder: Path, **options: Any) -> dict[str, list[int]]:
 
 VARIANTS = [("fp8", "per-tensor"), ("fp8", "per-channel"), ("fp8", "block"), ("fp8", "static"),
             ("gptq", "4bit"), ("gptq", "8bit"), ("gptq", "act-order"), ("gptq", "quantize_config"), ("gptq", "v2"),
-            ("awq", "gemm")]
+            ("awq", "gemm"), ("compressed-tensors", "per-channel"), ("compressed-tensors", "block")]
 
 
 @pytest.mark.parametrize(("method", "variant"), VARIANTS, ids=[f"{m}-{v}" for m, v in VARIANTS])
@@ -248,7 +259,7 @@ def test_quantized_weights_are_their_dequantized_values(pairs: Any, base: Path, 
                 assert w.qtype == (QType.Q8_0 if variant == "8bit" else QType.Q4_0)
                 w = w.dequantize()
             torch.testing.assert_close(w, expected[name + ".weight"], atol=0, rtol=0)
-            if method == "fp8":
+            if method in ("fp8", "compressed-tensors"):
                 assert not torch.equal(weights.read(name + ".weight").float(), w)
 
 
@@ -301,7 +312,11 @@ def _config_with(folder: Path, dst: Path, quant: dict[str, Any]) -> Path:
     ({"quant_method": "aqlm"}, r"quant_method 'aqlm' is not supported; supported: fp8 .*gptq .*awq"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"'awq' with version 'gemv'"),
     ({"quant_method": "awq", "bits": 4, "zero_point": False}, r"'awq' with zero_point false"),
-    ({"quant_method": "compressed-tensors"}, r"quant_method 'compressed-tensors' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+     r"'compressed-tensors' with format 'pack-quantized' is not supported; supported: compressed-tensors \(format "
+     r"float-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}}, r"weight strategy 'group'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"'gptq' with bits 3 is not supported"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False}, r"'gptq' with sym false"),

@@ -90,10 +90,10 @@ class CheckpointWeights:
         if not isinstance(self.scheme, Fp8Scheme):
             raise ModelLoadError(f"{self._file(name)}: weight {name!r} is stored in {w.dtype}, but config.json has "
                                  "no quantization_config with quant_method 'fp8' to give its scale")
-        scale_name = base + (".weight_scale_inv" if self.scheme.block else ".weight_scale")
+        scale_name = f"{base}.{self.scheme.scale_suffix}"
         if scale_name not in self._where:
-            kind = f"block-wise (weight_block_size {list(self.scheme.block)})" if self.scheme.block else "fp8"
-            raise ModelLoadError(f"{self._file(name)}: {kind} weight {name!r} has no scale {scale_name!r}")
+            raise ModelLoadError(f"{self._file(name)}: {self.scheme.describe} weight {name!r} has no scale "
+                                 f"{scale_name!r}")
         return dequantize_fp8(w, self.read(scale_name), self.scheme.block, f"{self._file(name)}: {scale_name!r}")
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:

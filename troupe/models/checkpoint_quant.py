@@ -32,6 +32,10 @@ what troupe computes with.
    zero points packed the same way; `X.scales` (groups, out) float16; `W[o, i] = scales[g, o] * (q[i, o] -
    zero[g, o])`, g = i // group_size. Its zero points are asymmetric, which no kept block format holds
    exactly (Q4_1's `m` would round `-zero * scale` to float16), so `awq_weight` dequantizes to float32.
+5. compressed-tensors (llm-compressor) in its `float-quantized` format: the fp8 weights of point 2 under
+   `X.weight` / `X.weight_scale` with a per-tensor, per-channel ((out, 1)) or per-block
+   (`block_structure`) scale, read into an `Fp8Scheme`; `input_scale` likewise unused. Its integer formats
+   (`pack-quantized`, `int-quantized`, ...) are refused.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from troupe.kernels.quant import QType, QuantizedTensor, Weight
 
 SUPPORTED = ("fp8 (per-tensor, per-channel or block-wise weight scales)",
              "gptq (4 or 8 bits, symmetric, any group size, desc_act true or false)",
-             "awq (4 bits, zero_point true, GEMM layout, any group size)")
+             "awq (4 bits, zero_point true, GEMM layout, any group size)",
+             "compressed-tensors (format float-quantized: fp8 weights per tensor, channel or block)")
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble of a word holding output column 8j + k
 _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to a stored zero point
 
@@ -56,6 +61,11 @@ _GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added 
 class Fp8Scheme:
     block: tuple[int, int] | None  # weight_block_size (out, in), or None: per-tensor / per-channel scales
     activation_scheme: str  # "dynamic" or "static" (static: `input_scale` tensors, unused; module docstring)
+    scale_suffix: str = "weight_scale"  # "weight_scale_inv" for vLLM fp8's block scales
+
+    @property
+    def describe(self) -> str:
+        return f"fp8 with weight_block_size {list(self.block)}" if self.block else "fp8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +112,8 @@ def read_quant_scheme(folder: Path, cfg: dict[str, Any]) -> QuantScheme:
         return _gptq_scheme(qc, where)
     if method == "awq":
         return _awq_scheme(qc, where)
+    if method == "compressed-tensors":
+        return _compressed_fp8_scheme(qc, where)
     raise ModelLoadError(f"{where}: quant_method {qc.get('quant_method')!r} is not supported; supported: "
                          f"{'; '.join(SUPPORTED)}")
 
@@ -117,7 +129,42 @@ def _fp8_scheme(qc: dict[str, Any], where: str) -> Fp8Scheme:
     if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelLoadError(f"{where}: quant_method 'fp8' weight_block_size must be two positive integers, "
                              f"got {block!r}")
-    return Fp8Scheme((int(block[0]), int(block[1])), act)
+    return Fp8Scheme((int(block[0]), int(block[1])), act, "weight_scale_inv")
+
+
+def _compressed_fp8_scheme(qc: dict[str, Any], where: str) -> Fp8Scheme:
+    """llm-compressor's fp8 checkpoints (`format: "float-quantized"`): every config group's weights 8-bit
+    float, symmetric, static, per tensor, channel or block; the same tensors as vLLM's fp8 (module
+    docstring, point 5). Its other formats (int4 / int8 packing, sparsity, transforms) are refused."""
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{where}: quant_method 'compressed-tensors' with {what} is not supported; "
+                              f"supported: {SUPPORTED[3]}")
+
+    fmt = qc.get("format")
+    if fmt != "float-quantized":
+        raise refuse(f"format {fmt!r}")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise refuse(f"a {key}")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("no config_groups")
+    blocks: set[tuple[int, int] | None] = set()
+    for name, group in groups.items():
+        w = (group or {}).get("weights") or {}
+        strategy = w.get("strategy")
+        if (w.get("type"), w.get("num_bits"), w.get("symmetric", True), bool(w.get("dynamic"))) != ("float", 8, True,
+                                                                                                     False):
+            raise refuse(f"config group {name!r} weights {w!r} (not static symmetric 8-bit float)")
+        if strategy not in ("tensor", "channel", "block"):
+            raise refuse(f"config group {name!r} weight strategy {strategy!r} (tensor, channel, block)")
+        shape = w.get("block_structure")
+        blocks.add((int(shape[0]), int(shape[1])) if strategy == "block" and shape else None)
+        if strategy == "block" and not shape:
+            raise refuse(f"config group {name!r}: strategy 'block' without a block_structure")
+    if len(blocks) != 1:
+        raise refuse("config groups of different block structures")
+    return Fp8Scheme(blocks.pop(), "dynamic")
 
 
 def _gptq_scheme(qc: dict[str, Any], where: str) -> GptqScheme:
