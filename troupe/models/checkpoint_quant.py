@@ -40,6 +40,7 @@ what troupe computes with.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,6 @@ def read_quant_scheme(folder: Path, cfg: dict[str, Any]) -> QuantScheme:
     qc = cfg.get("quantization_config")
     where = f"{folder / 'config.json'}: quantization_config"
     if qc is None and (folder / "quantize_config.json").is_file():  # AutoGPTQ's own file, no quant_method
-        import json
-
         where = str(folder / "quantize_config.json")
         try:
             qc = {"quant_method": "gptq", **json.loads((folder / "quantize_config.json").read_text())}
