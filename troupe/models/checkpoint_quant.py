@@ -245,7 +245,7 @@ def gptq_weight(t: dict[str, torch.Tensor], scheme: GptqScheme, keep_blocks: boo
     q = _unpack(t["qweight"], scheme.bits, dim=0)  # (in, out) ints in [0, 2**bits)
     zeros = _unpack(t["qzeros"], scheme.bits, dim=1) + scheme.zero_offset  # (groups, out)
     scales = t["scales"]  # (groups, out)
-    rows = torch.arange(inp, dtype=torch.int64)
+    rows = torch.arange(inp, dtype=torch.int64)  # (in,)
     g_idx = t["g_idx"].long() if "g_idx" in t else rows // group  # (in,)
     if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]:
         raise ModelLoadError(f"{where}: g_idx holds groups outside [0, {scales.shape[0]})")
@@ -274,9 +274,10 @@ def awq_weight(t: dict[str, torch.Tensor], scheme: AwqScheme) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words -> the `32 / bits` values each holds, lowest bits first, spread along `dim`: int64."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)  # (p,)
-    words = packed.to(torch.int64) & 0xFFFFFFFF  # unsigned view of the int32 words
+    """int32 words -> the `32 / bits` values each holds, lowest bits first, spread along `dim`: int32 (the mask
+    drops what an arithmetic shift of a negative word brings in)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # (p,)
+    words = packed.to(torch.int32)
     if dim == 0:  # (R, C) -> (R, p, C) -> (R * p, C)
         vals = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
         return vals.reshape(-1, packed.shape[1])
