@@ -277,15 +277,12 @@ def test_quantized_folder_logits_are_the_dequantized_folders(pairs: Any, method:
     assert kept == (method == "gptq" and quantization == "auto")  # act-order: q/k/v have one group each; AWQ never
 
 
-@pytest.mark.parametrize(("method", "variant", "kernels"), [("fp8", "per-channel", "cpu"), ("gptq", "4bit", "eager")])
-def test_quantized_folder_generates_like_its_dequantized_weights(pairs: Any, method: str, variant: str,
-                                                                 kernels: str):
-    """Through the engine, in one batch, greedy tokens of the fp8 / GPTQ folder are those of the dequantized
-    plain folder (fp8 is dense after load on every set; the eager set expands GPTQ's blocks at bind: the same
-    floats, so the same tokens whatever the margins)."""
-    quantized, plain = pairs(method, variant)
-    opts = dict(dtype="float32", kernels=kernels)
-    assert greedy(quantized, **opts) == greedy(plain, **opts)
+def test_fp8_folder_generates_like_its_dequantized_weights(pairs: Any):
+    """Through the engine on the compiled cpu set, in one batch, greedy tokens of an fp8 folder are those of
+    the dequantized plain folder (its weights are dense after load: the same floats, so the same tokens
+    whatever the margins)."""
+    quantized, plain = pairs("fp8", "per-channel")
+    assert greedy(quantized, dtype="float32", kernels="cpu") == greedy(plain, dtype="float32", kernels="cpu")
 
 
 def test_gptq_blocks_compute_on_the_cpu_set(pairs: Any):
@@ -459,10 +456,11 @@ def test_the_model_limit_is_derived_as_vllm_does(tmp_path: Path, scaling: dict[s
     context; the error one above it names what it came from."""
     from troupe.models.loader import check_max_model_len, read_model_info
 
-    arch = "mistral" if window else "llama"
-    extra = {"sliding_window": window} if window else {}
-    folder = make_tiny_model(tmp_path / "m", arch=arch, rope_scaling=scaling, **extra)
-    info = read_model_info(folder, "float32")
+    cfg = {"architectures": ["MistralForCausalLM" if window else "LlamaForCausalLM"], "vocab_size": 100,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "max_position_embeddings": 2048, "rope_scaling": scaling, "sliding_window": window}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # the limit needs no weights
+    info = read_model_info(tmp_path, "float32")
     assert info.max_model_len == limit and check_max_model_len(None, info) == limit
     assert check_max_model_len(limit, info) == limit
     with pytest.raises(InvalidInputError, match=rf"max_model_len: {limit + 1} is greater than the model's limit of "
