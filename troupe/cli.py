@@ -38,7 +38,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="a Hugging Face style folder, a .gguf file, or the default model's name")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs; auto: CUDA when torch sees a GPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -24,9 +24,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype
 
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA; on CPU, bfloat16 only where it is native), "bfloat16", "float32"
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA; on CPU, bfloat16 only where it is native), "bfloat16",
+    # "float16" (the eager and cuda kernel sets; "auto" kernels pick eager for it on the CPU), "float32"
     device: str = "auto"  # where the model runs: "auto" (CUDA when torch sees a GPU), "cpu", "cuda"
-    max_model_len: int | None = None  # None: the model's context length
+    max_model_len: int | None = None  # None: the model's context length; above it: an error at load
+    # (troupe.models.loader.check_max_model_len; TROUPE_ALLOW_LONG_MAX_MODEL_LEN=1 allows it, as vLLM's env var)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     block_size: int = 16
@@ -73,9 +75,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     fault_injection: str | None = None  # TEST-ONLY, see troupe/testing/faults.py; None in real use
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
-            raise InvalidInputError("dtype", f"must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
-        self.dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(self.dtype, self.dtype)
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "half", "fp32"):
+            raise InvalidInputError("dtype", f"must be 'auto', 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
+        self.dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(self.dtype,
+                                                                                                        self.dtype)
         for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),
                          ("output_chunk_size", 1)):
             value = getattr(self, name)

