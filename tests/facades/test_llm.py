@@ -160,3 +160,24 @@ def test_after_a_death_every_call_raises_engine_dead(tiny_llama: Path, engine_mo
             with pytest.raises(EngineDeadError, match="injected model failure"):
                 call()
     check_leftovers(pids)
+
+
+def test_a_failed_start_leaves_no_thread_importing_behind(tiny_llama: Path) -> None:
+    """In a fresh interpreter, an in-process LLM whose start fails (max_model_len above the model's) raises
+    only once its tokenizer thread is done: the caller's own transformers import right after works (an
+    abandoned thread still importing transformers made it fail with "cannot import name")."""
+    script = textwrap.dedent(f"""
+        from troupe import LLM
+        from troupe.errors import EngineStartupError
+        try:
+            LLM(model={str(tiny_llama)!r}, dtype="float32", num_kv_blocks=16, num_threads=1, max_model_len=4096,
+                multiprocess=False)
+        except EngineStartupError:
+            pass
+        else:
+            raise SystemExit("the start did not fail")
+        from transformers import AutoModelForCausalLM
+        print("imported", AutoModelForCausalLM.__name__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "imported AutoModelForCausalLM" in proc.stdout, proc.stderr[-2000:]

@@ -447,13 +447,13 @@ def test_float16_runs_on_the_eager_set(tiny_llama: Path):
                                                           r"factor 4.0"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 256}, None, 2048, r"max_position_embeddings=2048 in"),
-    (None, 512, 512, r"its sliding window of 512 tokens"),
+    (None, 512, 2048, r"max_position_embeddings=2048 in"),  # a sliding window is attention's, not the context's
 ])
 def test_the_model_limit_is_derived_as_vllm_does(tmp_path: Path, scaling: dict[str, Any] | None, window: int | None,
                                                  limit: int, why: str):
     """The limit is max_position_embeddings, times the factor of a rope scaling that stretches it (linear; not
-    llama3, whose max_position_embeddings is already the long one), or a sliding window troupe serves as the
-    context; the error one above it names what it came from."""
+    llama3, whose max_position_embeddings is already the long one; a sliding window does not bound it); the
+    error one above it names what it came from."""
     from troupe.models.loader import check_max_model_len, read_model_info
 
     cfg = {"architectures": ["MistralForCausalLM" if window else "LlamaForCausalLM"], "vocab_size": 100,

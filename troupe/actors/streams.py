@@ -65,8 +65,9 @@ class TokenizerPrefetch:
     async def load(self, model: str) -> None:
         self._model = model
         try:
-            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model,
-                                                                         abandon_on_cancel=True)
+            # not abandoned on cancel: a start that fails waits for this thread, so no thread of ours is
+            # left importing transformers in the caller's process (a racing import there sees it half done)
+            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model)
         except Exception:  # the engine reports the real problem (or get() raises it again)
             pass
         finally:

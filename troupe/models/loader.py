@@ -66,7 +66,7 @@ class ModelInfo:
     arch: ModelArch
     dtype: torch.dtype
     vocab_size: int
-    max_model_len: int  # max_position_embeddings (times a linear rope factor, capped by a sliding window)
+    max_model_len: int  # max_position_embeddings (times the factor of a rope scaling that stretches it)
     eos_token_ids: list[int]  # generation_config.json, then the tokenizer's eos, deduplicated
     num_layers: int
     num_kv_heads: int
@@ -165,13 +165,13 @@ def _gguf_info(path: Path, f: GGUFFile, dtype: str | torch.dtype) -> ModelInfo:
 def derived_max_len(cfg: dict[str, Any], arch: ModelArch) -> int:
     """The model's context length as vLLM derives it (`_get_and_verify_max_len`): max_position_embeddings,
     times the rope scaling factor for the rope types that stretch it (not llama3 / longrope, whose
-    max_position_embeddings already is the stretched length; yarn from original_max_position_embeddings);
-    capped, as `ModelArch` does, by a sliding window troupe serves as the context."""
+    max_position_embeddings already is the stretched length; yarn from original_max_position_embeddings).
+    A sliding window bounds what a layer attends to, not the context."""
     limit = arch.max_position_embeddings
     sc = arch.rope_scaling or {}
     rope_type = sc.get("rope_type", "default")
     stated = int(cfg.get("max_position_embeddings") or limit)
-    if rope_type in ("default", "llama3", "longrope", "su", "factors") or limit < stated:  # no stretch / windowed
+    if rope_type in ("default", "llama3", "longrope", "su", "factors"):  # no stretch
         return limit
     base = int(sc["original_max_position_embeddings"]) if rope_type == "yarn" else stated
     return int(base * float(sc.get("factor", 1.0)))
@@ -181,15 +181,13 @@ def check_max_model_len(max_model_len: int | None, info: ModelInfo) -> int:
     """The context length to serve: `max_model_len` (None: the model's). Above the model's own limit it is an
     `InvalidInputError` naming both numbers, as vLLM does, unless TROUPE_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
     VLLM_ALLOW_LONG_MAX_MODEL_LEN), which allows it with a warning: positions past the limit are outside what
-    the model was trained on (and, where a sliding window caps the limit, attention would not be windowed)."""
+    the model was trained on."""
     limit = info.max_model_len
     if max_model_len is None or max_model_len <= limit:
         return max_model_len or limit
     stated = int(info.hf_config.get("max_position_embeddings") or limit)
     why = f"{'context_length' if gguf.is_gguf(info.path) else 'max_position_embeddings'}={stated}"
-    if stated > limit:
-        why = f"its sliding window of {limit} tokens, which troupe serves as the context length"
-    elif stated < limit:
+    if stated < limit:
         why += f" times the rope scaling factor {info.arch.rope_scaling and info.arch.rope_scaling.get('factor')}"
     if os.environ.get(ALLOW_LONG_ENV, "").lower() in ("1", "true"):
         log.warning("max_model_len above the model's limit, allowed by " + ALLOW_LONG_ENV,
