@@ -88,12 +88,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     returns (T, H, D) in q's dtype, the step's buffer (see the module docstring). `sliding_window`,
     `softcap`: see `troupe.kernels.reference.paged_attention`."""
     plan = step_plan(meta, q, k_pool, sliding_window)
-    if sliding_window is None and softcap is None:
-        torch.ops.troupe_attention.paged_attention(
-            q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
-            plan.scratch, plan.out, scale, plan.threads)
-    else:
-        torch.ops.troupe_attention.paged_attention(
-            q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
-            plan.scratch, plan.out, scale, plan.threads, sliding_window or 0, softcap or 0.0)
+    torch.ops.troupe_attention.paged_attention(
+        q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
+        plan.scratch, plan.out, scale, plan.threads, sliding_window or 0, softcap or 0.0)
     return plan.out

@@ -37,9 +37,9 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    """Every variant; the default set (`ci`) is bf16 at both shapes, float32 at the small one, bf16 with a
-    sliding window and soft-capping at the small one, and a
-    block size of 32 (fp16 compiles the bf16 code with another element type)."""
+    """Every variant; the default set (`ci`) is bf16 at both shapes, float32 at the small one, a block size
+    of 32, and bf16 attention with a sliding window and soft-capping at the small one (fp16 compiles the
+    bf16 code with another element type)."""
     from troupe.kernels.cuda import (
         activation,
         attention,
