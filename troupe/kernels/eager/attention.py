@@ -257,8 +257,9 @@ def _decode_attention(
     if softcap is None:
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)  # (B, KVH, G, D)
     else:
-        od = _capped_attention(qd.reshape(B * KVH, -1, D), kd.reshape(B * KVH, L, D), vd.reshape(B * KVH, L, D),
-                               dec.mask.view(B, 1, L).repeat_interleave(KVH, dim=0), scale, softcap)
+        mask = dec.mask.view(B, 1, L)  # per kv head: the gathered blocks are read in place (strided, no copy)
+        od = torch.stack([_capped_attention(qd[:, h], kd[:, h], vd[:, h], mask, scale, softcap)
+                          for h in range(KVH)], dim=1)  # (B, KVH, G, D)
     out.index_copy_(0, dec.tokens, od.reshape(B, H, D))
 
 
