@@ -58,12 +58,13 @@ def make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_
     return q, k_pool, v_pool, meta, (k_pool.permute(0, 3, 1, 2).float(), v_pool.transpose(1, 2).float())
 
 
-def check(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_dtype=torch.float32, seed=0):
+def check(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_dtype=torch.float32, seed=0, **features):
+    """The kernel's output against the reference's; `features`: sliding_window / softcap for both."""
     q, kp, vp, meta, (kr, vr) = make_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, kv_dtype, q_dtype, seed)
     k_before, v_before = kp.clone(), vp.clone()
     scale = head_dim**-0.5
-    out = attention.paged_attention(q, kp, vp, attention.CpuMetadata.of(meta), scale)
-    ref = reference.paged_attention(q.float(), kr, vr, meta, scale)
+    out = attention.paged_attention(q, kp, vp, attention.CpuMetadata.of(meta), scale, **features)
+    ref = reference.paged_attention(q.float(), kr, vr, meta, scale, **features)
     assert out.dtype == q_dtype and out.shape == q.shape
     tol = TOL[kv_dtype] if q_dtype == torch.float32 else 2e-2  # bf16 queries: bf16 rounding of q and out
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -151,6 +152,80 @@ def test_plan_is_built_once_and_serves_every_layer():
     assert m.plan is plan and second is plan.out
     torch.testing.assert_close(first, reference.paged_attention(q, kr, vr, meta, 0.125), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(second, reference.paged_attention(q2, kr2, vr2, meta, 0.125), atol=2e-5, rtol=2e-5)
+
+
+# Sliding window and soft-capping: MIXED's contexts are 1, 16, 17, 32, 33, 101, 7, 17, 11, 32, 110, plus a
+# long decode and a long chunk; windows of 1, 17 (equal to some contexts), 33 (one past a key tile of
+# AVX2, equal to one context), 100 and 4096 (larger than every context)
+FEATURE_SEQS = [*MIXED, (700, 1), (300, 90)]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(w, c) for w in (None, 1, 17, 33, 100, 4096) for c in (None, 5.0)
+                                                 if (w, c) != (None, None)])  # the plain case: tests above
+@pytest.mark.parametrize(("kv_dtype", "block_size", "num_heads", "num_kv_heads"),
+                         [(torch.float16, 16, 9, 3), (torch.float32, 4, 4, 1), (torch.bfloat16, 32, 8, 8)])
+def test_window_and_softcap_match_reference(kv_dtype, block_size, num_heads, num_kv_heads, window, softcap):
+    """A mixed step (decodes at block boundaries and a long one, prompts, chunks after cached context and a
+    long chunk) with a sliding window smaller than, equal to and larger than the contexts and / or a cap
+    gives the reference's output: in-place (16, 32) and copying (4) paths, GQA / MQA / MHA, each pool dtype."""
+    check(FEATURE_SEQS, block_size, num_heads, num_kv_heads, 64, kv_dtype, seed=20, sliding_window=window,
+          softcap=softcap)
+
+
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_window_and_softcap_other_head_dims(head_dim):
+    """A window and a cap with head dims of two P x V blocks (128) and a half-vector tail (72)."""
+    check(FEATURE_SEQS, 16, 6, 2, head_dim, torch.float16, seed=head_dim, sliding_window=40, softcap=3.0)
+
+
+def test_window_and_softcap_through_the_kernel_set():
+    """`CpuKernels.attention` takes the features as keywords; bfloat16 queries stay within bf16 rounding."""
+    from troupe.kernels.cpu import CpuKernels
+
+    q, kp, vp, meta, (kr, vr) = make_batch(FEATURE_SEQS, 16, 9, 3, 64, torch.float16, torch.bfloat16, seed=21)
+    out = CpuKernels().attention(q, q, q, (kp, vp), attention.CpuMetadata.of(meta), 0.125, 0, sliding_window=50,
+                                 softcap=2.0)
+    ref = reference.paged_attention(q.float(), kr, vr, meta, 0.125, sliding_window=50, softcap=2.0)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("ctx", "window"), [(65, 20), (200, 64), (1000, 100), (1000, 333), (200, 4096)])
+def test_split_k_with_window(monkeypatch, threads, ctx, window):
+    """A batch-1 decode split over its window only (split-K pieces from the window's start, forced at small
+    sizes) matches the reference, with and without a cap."""
+    monkeypatch.setattr(attention, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(attention, "MIN_SPLIT", 16)
+    torch.set_num_threads(threads)
+    q, kp, vp, meta, (kr, vr) = make_batch([(ctx - 1, 1)], 16, 9, 3, 64, torch.float16, seed=ctx)
+    for softcap in (None, 1.0):
+        m = attention.CpuMetadata.of(meta)
+        out = attention.paged_attention(q, kp, vp, m, 0.125, sliding_window=window, softcap=softcap)
+        ref = reference.paged_attention(q, kr, vr, meta, 0.125, sliding_window=window, softcap=softcap)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        items = m.plans[window].items
+        first = max(0, ctx - window) // 32 * 32  # the window's start, rounded down to the decode tile
+        assert int(items[:, 3].min()) == first and int(items[:, 4].max()) == ctx  # nothing before it is read
+
+
+def test_window_plans_serve_their_layers():
+    """One step, layers with and without a window (Gemma's local / global layers): each window has its own
+    plan and output buffer, built once; decode items start at their window and prefill items cost only
+    their window; a window longer than every context gives the plain result bit for bit."""
+    q, kp, vp, meta, (kr, vr) = make_batch(FEATURE_SEQS, 16, 9, 3, 64, torch.float16, seed=22)
+    m = attention.CpuMetadata.of(meta)
+    plain = attention.paged_attention(q, kp, vp, m, 0.125).clone()
+    local = attention.paged_attention(q, kp, vp, m, 0.125, sliding_window=64).clone()
+    assert m.plan is not None and set(m.plans) == {64} and m.plans[64].out is not m.plan.out
+    plan = m.plans[64]
+    assert torch.equal(attention.paged_attention(q, kp, vp, m, 0.125, sliding_window=64), local)
+    assert m.plans[64] is plan
+    decodes = plan.items[plan.items[:, 0] == 0]
+    lens = meta.seq_lens[decodes[:, 1]]
+    assert torch.equal(decodes[:, 3], (lens - 64).clamp(min=0) // 32 * 32)
+    torch.testing.assert_close(local, reference.paged_attention(q, kr, vr, meta, 0.125, sliding_window=64),
+                               atol=2e-5, rtol=2e-5)
+    assert torch.equal(attention.paged_attention(q, kp, vp, m, 0.125, sliding_window=4096), plain)
 
 
 def test_bad_shapes_are_refused():

@@ -7,6 +7,8 @@ contexts of 1, 15, 16, 17 and past several blocks, chunks after cached context, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from cuda_cases import Batch, assert_close, make_batch
@@ -32,14 +34,15 @@ GEOMETRIES = [
 GEOMETRY_IDS = ["9-3-d64-bs16-f32", "4-1-d32-bs32-f16", "8-8-d32-bs16-f32", "9-3-d64-bs16-bf16"]
 
 
-def run(batch: Batch, device: torch.device, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kernel output, reference output), both on CPU."""
+def run(batch: Batch, device: torch.device, num_splits: int | None = None,
+        **features: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, reference output), both on CPU; `features`: sliding_window / softcap for both."""
     b = batch.to(device)
     out = torch.full_like(b.q, float("nan"))
     paged_attention(b.q, b.k_cache, b.v_cache, out, b.query_start_loc, b.seq_lens, b.block_tables, b.scale,
-                    b.max_query_len, b.max_seq_len, num_splits=num_splits)
+                    b.max_query_len, b.max_seq_len, num_splits=num_splits, **features)
     ref = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.query_start_loc,
-                                    batch.seq_lens, batch.block_tables, batch.scale)
+                                    batch.seq_lens, batch.block_tables, batch.scale, **features)
     return out.cpu(), ref
 
 
@@ -142,6 +145,55 @@ def test_write_then_attend_matches_cpu_path(device: torch.device) -> None:
                     tables.to(device), D**-0.5, max(qlens), 40)
     assert_close(out.cpu(), expected)
     assert torch.equal(k_cache.cpu(), pool_k.transpose(1, 2))  # the reference wrote the same slots
+
+
+# Sliding window and soft-capping. Contexts 15, 1, 70, 16, 40, 33, 17, 130: windows of 1, 16 (equal to a
+# context, and to a pool block), 40 (smaller than the long contexts) and 200 (larger than all)
+FEATURE_SPECS = [(15, 15), (1, 1), (70, 6), (16, 16), (40, 1), (33, 20), (17, 17), (130, 1)]
+
+
+@pytest.mark.parametrize("geometry,window,softcap", [
+    (0, 1, None), (0, 16, 2.0), (0, 200, 2.0), (1, 40, None), (1, None, 2.0),
+], ids=["w1-f32", "w16-cap-f32", "w200-cap-f32", "w40-f16", "cap-f16"])
+def test_mixed_batch_with_window_and_softcap(device: torch.device, geometry: int, window: int | None,
+                                             softcap: float | None) -> None:
+    """A mixed batch (prompts, chunks after cached context, decodes) through the prefill kernel with a
+    sliding window smaller than, equal to and larger than the contexts and / or a cap matches the reference
+    (GQA 9/3 in float32 with blocks of 16, MQA 4/1 in float16 with blocks of 32)."""
+    H, KVH, D, BS, dtype = GEOMETRIES[geometry]
+    out, ref = run(make_batch(FEATURE_SPECS, H, KVH, D, BS, dtype, seed=8), device, sliding_window=window,
+                   softcap=softcap)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("splits,window,softcap", [(3, 20, 3.0), (None, 129, None)])
+def test_decode_batch_with_window_and_softcap(device: torch.device, splits: int | None, window: int,
+                                              softcap: float | None) -> None:
+    """Decodes through the split-K kernel with a window (and a cap): the splits cut the window only (some of
+    them empty for the short contexts), merged by the reduce kernel, as the reference."""
+    specs = [(1, 1), (15, 1), (16, 1), (17, 1), (130, 1), (300, 1)]
+    out, ref = run(make_batch(specs, 9, 3, 64, 16, torch.float32, seed=9), device, num_splits=splits,
+                   sliding_window=window, softcap=softcap)
+    assert_close(out, ref)
+
+
+def test_window_and_softcap_against_the_kernel_set_reference(device: torch.device) -> None:
+    """The CUDA set's `attention` with a window and a cap against `troupe.kernels.reference` (other layout,
+    other code) on a mixed step."""
+    from troupe.kernels.cuda.kernel_set import CudaKernels
+    from troupe.kernels.cuda.step_buffers import CudaMetadata
+
+    batch = make_batch([(30, 30), (21, 1), (40, 8)], 9, 3, 64, 16, torch.float32, seed=10)
+    b = batch.to(device)
+    meta = CudaMetadata(torch.zeros(0, dtype=torch.long, device=device), b.query_start_loc, b.seq_lens,
+                        b.block_tables, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, num_seqs=3)
+    out = CudaKernels(device).attention(b.q, b.q, b.q, (b.k_cache, b.v_cache), meta, b.scale, 0, sliding_window=9,
+                                        softcap=4.0)
+    pool = (batch.k_cache.transpose(1, 2), batch.v_cache.transpose(1, 2))  # the reference layout (NB, BS, KVH, D)
+    cpu_meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), batch.query_start_loc, batch.seq_lens,
+                                 batch.block_tables)
+    expected = cpu_reference.paged_attention(batch.q, *pool, cpu_meta, batch.scale, sliding_window=9, softcap=4.0)
+    assert_close(out.cpu(), expected)
 
 
 def test_decode_splits_heuristic() -> None:

@@ -182,3 +182,77 @@ def test_norms_and_silu_match_reference(dtype):
     torch.testing.assert_close(summed.float(), (x.float() + res.float()), **tol)
     torch.testing.assert_close(normed.float(), reference.rms_norm(summed, w, 1e-5).float(), **tol)
     torch.testing.assert_close(ops.silu_and_mul(gu).float(), reference.silu_and_mul(gu).float(), **tol)
+
+
+# Sliding window and soft-capping. Contexts 7, 6, 17, 1, 31, 11, 32, 4, 40, 49: windows of 1, 7 (equal to the
+# first prompt's context), 32 (equal to the chunk (16, 16)'s) and 64 (larger than every context).
+FEATURE_SEQS = [*MIXED, (39, 1), (37, 12)]
+WINDOWS = [1, 7, 32, 64]
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [None, *WINDOWS])
+@pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "math_limit"),
+                         [(1, 4, 4, attention._MATH_MAX_SCORES), (4, 6, 2, 0), (16, 8, 1, attention._MATH_MAX_SCORES)])
+def test_window_and_softcap_match_reference(block_size, num_heads, num_kv_heads, math_limit, window, softcap,
+                                            monkeypatch):
+    """With a sliding window (of 1, smaller than, equal to and larger than the contexts) and/or soft-capping,
+    a mixed batch of prompts, chunks after cached context and decodes gives the reference's outputs through
+    the set's `attention`, for block sizes 1/4/16, MHA/GQA/MQA and both chunk paths."""
+    monkeypatch.setattr(attention, "_MATH_MAX_SCORES", math_limit)
+    q, k, v, kc, vc, meta = make_batch(FEATURE_SEQS, block_size, num_kv_heads, num_heads, 16, torch.float32, seed=10)
+    out = EagerKernels(decode_row_cache_bytes=0).attention(q, k, v, (kc, vc), meta, 0.5, 0, sliding_window=window,
+                                                          softcap=softcap)
+    ref = reference.paged_attention(q, kc, vc, meta, 0.5, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_window_plans_are_kept_per_window():
+    """Layers with different windows in one step (Gemma's interleaved local / global layers) each get their
+    own plan, built once; a window longer than every context gives the plain result bit for bit; a decode
+    with a short window gathers only the blocks its window touches."""
+    q, k, v, kc, vc, meta = make_batch(FEATURE_SEQS, 4, 2, 6, 16, torch.float32, seed=11)
+    plain = paged_attention(q, k, v, kc, vc, meta, 0.25)
+    local = paged_attention(q, k, v, kc, vc, meta, 0.25, sliding_window=5)
+    assert meta.plan is not None and set(meta.plans) == {5}
+    plan5 = meta.plans[5]
+    assert torch.equal(paged_attention(q, k, v, kc, vc, meta, 0.25, sliding_window=5), local)
+    assert meta.plans[5] is plan5
+    assert torch.equal(paged_attention(q, k, v, kc, vc, meta, 0.25, sliding_window=64), plain)
+    torch.testing.assert_close(local, reference.paged_attention(q, kc, vc, meta, 0.25, sliding_window=5),
+                               atol=1e-5, rtol=1e-5)
+    assert plan5.decodes is not None and meta.plan.decodes is not None
+    # 5 positions over blocks of 4 lie in at most 2 blocks, against 10 for the longest decode context (40)
+    assert plan5.decodes.mask.shape[-1] <= 2 * 4 and meta.plan.decodes.mask.shape[-1] == 10 * 4
+
+
+@pytest.mark.parametrize("window", [None, 3, 64])
+def test_bfloat16_window_and_softcap(window):
+    """In bfloat16 (SDPA for the uncapped chunks, the float32 capped path otherwise) a window and a cap
+    stay within bf16 rounding of the reference."""
+    q, k, v, kc, vc, meta = make_batch(FEATURE_SEQS, 4, 2, 6, 32, torch.bfloat16, seed=12)
+    for softcap in (None, 3.0):
+        out = paged_attention(q, k, v, kc, vc, meta, 32**-0.5, sliding_window=window, softcap=softcap)
+        ref = reference.paged_attention(q, kc, vc, meta, 32**-0.5, sliding_window=window, softcap=softcap)
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (5, None), (20, 2.0), (None, 2.0), (64, None)])
+def test_decode_rows_with_window_and_softcap(window, softcap, dtype):
+    """Decodes read from a row cache (groups of 2 rows, some refilled) with a sliding window (each group read
+    from its rows' earliest window start) and / or a cap give the reference's outputs, and the rows still
+    take the new token (the row cache stays right for the next step whatever the layer's window)."""
+    q, k, v, kc, vc, meta = make_batch(MIXED, 4, 3, 9, 16, dtype, seed=13)
+    rows = [5, 0, 3, 2]
+    meta.rows = _rows_for(meta, kc, vc, rows, [True, False, True, True], length=40, seed=14, group=2)
+    meta.rows.k[1], meta.rows.v[1] = meta.rows.k[1].to(dtype), meta.rows.v[1].to(dtype)
+    out = paged_attention(q, k, v, kc, vc, meta, 0.25, layer=1, sliding_window=window, softcap=softcap)
+    ref = reference.paged_attention(q, kc, vc, meta, 0.25, sliding_window=window, softcap=softcap)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    dec = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    for s, row in zip(dec, rows, strict=True):
+        ctx = kc[meta.block_tables[s]].view(-1, 3, 16)[: lens[s]].transpose(0, 1)  # (KVH, ctx, D)
+        assert torch.equal(meta.rows.k[1][row, :, : lens[s]], ctx)

@@ -25,9 +25,14 @@ Contract (shapes: T new tokens in the step, S sequences, H query heads, KVH kv h
 - Per layer, in this order: `add_rms_norm` / `rms_norm`; `linear`; `rope_and_cache(positions, q, k, v,
   rope_cache, kv, meta)`, which rotates q and k (HF rotate-half layout) and writes the rotated k and v of
   every new token at `meta.slot_mapping` before any attention reads the pool, returning the rotated
-  (q, k); `attention(q, k, v, kv, meta, scale, layer)` (see `troupe.kernels.reference.paged_attention`
-  for the exact semantics; `k`, `v` are the new tokens' rotated keys and values, which a set may use
-  instead of reading them back); `silu_and_mul`.
+  (q, k); `attention(q, k, v, kv, meta, scale, layer, *, sliding_window=None, softcap=None)` (see
+  `troupe.kernels.reference.paged_attention` for the exact semantics; `k`, `v` are the new tokens'
+  rotated keys and values, which a set may use instead of reading them back); `silu_and_mul`.
+- Attention features (`ATTENTION_FEATURES`, per call, so per layer): `sliding_window` W, a query at
+  position p sees only keys p - W < j <= p (the pool still holds the whole context); `softcap` c, the
+  scaled scores become `c * tanh(s / c)` before the softmax (Gemma 2). None: plain causal attention,
+  computed exactly as without the feature. `KernelSet.attention_features` says which a set computes;
+  a model must not ask a set for one it lacks (`check_attention_options`).
 
 Every op has a plain-torch reference in `troupe.kernels.reference`, which tests compare each set with.
 """
@@ -45,11 +50,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from troupe.errors import InvalidInputError
 from troupe.kernels.quant import Weight, dense
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # (M, K) -> (M, N)
 EmbeddingOp = Callable[[torch.Tensor], torch.Tensor]  # (T,) int64 -> (T, hidden)
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # (k_pool, v_pool) of one layer
+ATTENTION_FEATURES = frozenset({"sliding_window", "softcap"})  # optional arguments of `KernelSet.attention`
 
 
 class LayerWeights(NamedTuple):
@@ -166,6 +173,8 @@ class KernelSet(abc.ABC):
     # True: quantized weights are expanded to the model's dtype when bound, so a GGUF model may compute in
     # any dtype; False: projections on quantized weights take and return float32 (the model computes in it)
     dequantizes_to_model_dtype: ClassVar[bool] = False
+    # the attention features (`ATTENTION_FEATURES`) this set's `attention` computes natively
+    attention_features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -267,8 +276,31 @@ class KernelSet(abc.ABC):
         meta: AttentionMetadata,
         scale: float,
         layer: int,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Causal attention of each new token over its sequence's context in the pool: (T, H, D)."""
+        """Causal attention of each new token over its sequence's context in the pool: (T, H, D); with
+        `sliding_window` W only over its last W positions (itself included), with `softcap` c on the
+        scores `c * tanh(scale * q.k / c)` (see the module docstring)."""
+
+    def check_attention_options(self, sliding_window: int | None, softcap: float | None) -> None:
+        """Raise `InvalidInputError` unless this set computes attention with these options: a window of at
+        least 1 position, a finite positive cap, each feature in `attention_features`. A model calls it
+        once when it binds its layers."""
+        check_attention_options(sliding_window, softcap)
+        for name, value in (("sliding_window", sliding_window), ("softcap", softcap)):
+            if value is not None and name not in self.attention_features:
+                raise InvalidInputError(name, f"the {self.name!r} kernel set has no attention with {name}")
+
+
+def check_attention_options(sliding_window: int | None, softcap: float | None) -> None:
+    """Raise `InvalidInputError` for a window below 1 position or a cap that is not finite and positive."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) != sliding_window
+                                       or sliding_window < 1):
+        raise InvalidInputError("sliding_window", f"must be None or an int >= 1, got {sliding_window!r}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise InvalidInputError("softcap", f"must be None or a finite float > 0, got {softcap!r}")
 
 
 def flatten_step(seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:

@@ -3,7 +3,8 @@ kernel set with (`troupe.kernels.base` has the contract). Nothing here is used o
 
 - `write_kv`: the KV write at `slot_mapping` (slot -1: skip, as a padded batch needs).
 - `rope`: rotate-half rotary embedding from a `(max_pos, D)` cos | sin table.
-- `paged_attention`: one token and one context position at a time, softmax in float64.
+- `paged_attention`: one token at a time over its visible positions (causal, optionally a sliding window,
+  optionally soft-capped scores), softmax in float64.
 - `rms_norm`, `silu_and_mul`: in float32, cast back to the input dtype.
 - `rope_cache`: the `(max_pos, D)` float32 table the model builds from its inverse frequencies.
 """
@@ -47,10 +48,15 @@ def paged_attention(
     v_cache: torch.Tensor,  # (NB, BS, KVH, D)
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention: query token i of sequence s (position `seq_lens[s] - q_len + i`) attends to
-    context positions `0 ..= seq_lens[s] - q_len + i` of its blocks; GQA by repeating each kv head over
-    `H // KVH` query heads. Returns (T, H, D) in q's dtype."""
+    """Causal paged attention: query token i of sequence s (position `p = seq_lens[s] - q_len + i`) attends
+    to context positions `0 ..= p` of its blocks, with `sliding_window` W only to `p - W < j <= p` (W
+    positions, itself included: transformers' `kv_idx > q_idx - sliding_window`); GQA by repeating each kv
+    head over `H // KVH` query heads. Scores are `scale * q.k`, then with `softcap` c `c * tanh(score / c)`
+    (Gemma 2's order: scale, cap, then the mask and the softmax). Returns (T, H, D) in q's dtype."""
     T, H, D = q.shape
     _, BS, KVH, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -64,9 +70,12 @@ def paged_attention(
         vals = vals.repeat_interleave(H // KVH, dim=1)  # (ctx, H, D)
         for i in range(n):
             visible = ctx - n + i + 1
+            first = 0 if sliding_window is None else max(0, visible - sliding_window)
             qi = q[starts[s] + i].double()  # (H, D)
-            scores = torch.einsum("hd,khd->hk", qi, keys[:visible]) * scale  # (H, visible)
-            out[starts[s] + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), vals[:visible]).to(q.dtype)
+            scores = torch.einsum("hd,khd->hk", qi, keys[first:visible]) * scale  # (H, visible - first)
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[starts[s] + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), vals[first:visible]).to(q.dtype)
     return out
 
 

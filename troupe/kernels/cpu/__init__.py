@@ -125,5 +125,6 @@ class CpuKernels(EagerKernels):
         return fused.rope_and_cache(positions, q, k, v, rope_cache, kv, meta.slot_mapping)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
-                  meta: CpuMetadata, scale: float, layer: int) -> torch.Tensor:  # type: ignore[override]
-        return paged_attention(q, kv[0], kv[1], meta, scale)
+                  meta: CpuMetadata, scale: float, layer: int, *,  # type: ignore[override]
+                  sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, kv[0], kv[1], meta, scale, sliding_window=sliding_window, softcap=softcap)

@@ -12,6 +12,12 @@ tile of query tokens), splits decodes over their context when the step is too sm
 scratch are allocated once for the step. Every layer then makes one call (`csrc/attention*.cpp` has the
 kernel design). The returned tensor is that per-step buffer: the next layer's call overwrites it, so a
 caller that keeps a layer's attention output must copy it.
+
+Sliding window and soft-capping (`troupe.kernels.base`, "Attention features") are computed natively by
+the same kernels: a window changes the work (a decode item covers only its window, a prefill item skips
+the KV tiles before its first token's window), so the step keeps one plan per window (`CpuMetadata.plans`,
+each with its own output buffer); a cap is an argument of the layer's call (the scores are capped in
+registers, `csrc/vec_attn.h` `vsoftcap`, a rational tanh within 3.5e-7 of tanh).
 """
 
 from __future__ import annotations
@@ -40,11 +46,12 @@ class AttnPlan:
     out: torch.Tensor  # (T, H, D) the output buffer
 
     @classmethod
-    def build(cls, q: torch.Tensor, k_pool: torch.Tensor, meta: AttentionMetadata) -> AttnPlan:
+    def build(cls, q: torch.Tensor, k_pool: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> AttnPlan:
+        """The plan for queries shaped as `q` (T, H, D), with a sliding window of `window` positions (0: none)."""
         T, H, D = q.shape
         KVH = k_pool.shape[1]  # K (NB, KVH, D, BS)
         items, merges, threads = torch.ops.troupe_attention.plan(
-            meta.query_start_loc, meta.seq_lens, H, KVH, torch.get_num_threads(), MIN_SPLIT, MIN_PARALLEL)
+            meta.query_start_loc, meta.seq_lens, H, KVH, torch.get_num_threads(), MIN_SPLIT, MIN_PARALLEL, window)
         slots = int(merges[-1, 2] + merges[-1, 3]) if merges.shape[0] else 0
         padded = -(-D // 16) * 16  # the kernels' padded row (a multiple of the vector width) fits in this
         scratch = torch.empty(slots * (H // KVH) * (padded + 2), dtype=torch.float32)
@@ -56,25 +63,32 @@ class CpuMetadata(AttentionMetadata):
     """The step's metadata plus the attention plan its first layer builds."""
 
     plan: AttnPlan | None = field(default=None, repr=False)
+    plans: dict[int, AttnPlan] = field(default_factory=dict, repr=False)  # the same per sliding window
 
     @classmethod
     def of(cls, m: AttentionMetadata) -> CpuMetadata:
         return cls(m.slot_mapping, m.query_start_loc, m.seq_lens, m.block_tables, m.max_query_len, m.max_seq_len)
 
 
-def step_plan(meta: CpuMetadata, q: torch.Tensor, k_pool: torch.Tensor) -> AttnPlan:
-    """The step's attention plan, built by the first call for queries shaped as `q` (T, H, D) and kept."""
+def step_plan(meta: CpuMetadata, q: torch.Tensor, k_pool: torch.Tensor, window: int | None = None) -> AttnPlan:
+    """The step's attention plan for `window` (None: none), built by the first call for queries shaped as
+    `q` (T, H, D) and kept."""
+    if window is not None:
+        if window not in meta.plans:
+            meta.plans[window] = AttnPlan.build(q, k_pool, meta, window)
+        return meta.plans[window]
     if meta.plan is None:
         meta.plan = AttnPlan.build(q, k_pool, meta)
     return meta.plan
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: CpuMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens q (T, H, D) over the pool (which already holds them);
-    returns (T, H, D) in q's dtype, the step's buffer (see the module docstring)."""
-    plan = step_plan(meta, q, k_pool)
+    returns (T, H, D) in q's dtype, the step's buffer (see the module docstring). `sliding_window`,
+    `softcap`: see `troupe.kernels.reference.paged_attention`."""
+    plan = step_plan(meta, q, k_pool, sliding_window)
     torch.ops.troupe_attention.paged_attention(
         q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges,
-        plan.scratch, plan.out, scale, plan.threads)
+        plan.scratch, plan.out, scale, plan.threads, sliding_window or 0, softcap or 0.0)
     return plan.out

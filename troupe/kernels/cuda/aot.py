@@ -37,8 +37,9 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    """Every variant; the default set (`ci`) is bf16 at both shapes, float32 at the small one, and a
-    block size of 32 (fp16 compiles the bf16 code with another element type)."""
+    """Every variant; the default set (`ci`) is bf16 at both shapes, float32 at the small one, a block size
+    of 32, and bf16 attention with a sliding window and soft-capping at the small one (fp16 compiles the
+    bf16 code with another element type)."""
     from troupe.kernels.cuda import (
         activation,
         attention,
@@ -73,7 +74,7 @@ def variants() -> list[Variant]:
             out.append(Variant(f"silu_and_mul-{tag}", activation.silu_and_mul_kernel, dict(x=p, out=p),
                                activation.silu_and_mul_meta(f)))
             attn = dict(q=p, k_cache=p, v_cache=p, out=p, query_start_loc="*i64", seq_lens="*i64",
-                        block_tables="*i32", scale_log2="fp32")
+                        block_tables="*i32", scale_log2="fp32", cap_log2="fp32")
             metas = [attention.prefill_meta(max_q, G, D, 16, f32) for max_q in (2048, 12, 2)]
             for meta in [m for i, m in enumerate(metas) if m not in metas[:i]]:  # long, medium, short chunks
                 out.append(Variant(f"prefill_attention-{tag}-m{meta['BLOCK_M']}",
@@ -91,7 +92,14 @@ def variants() -> list[Variant]:
     meta32 = attention.prefill_meta(2048, 3, 64, 32, False)
     out.append(Variant("prefill_attention-bf16-small-bs32", attention_prefill.prefill_attention_kernel,
                        dict(q="*bf16", k_cache="*bf16", v_cache="*bf16", out="*bf16", query_start_loc="*i32",
-                            seq_lens="*i32", block_tables="*i64", scale_log2="fp32"), meta32))
+                            seq_lens="*i32", block_tables="*i64", scale_log2="fp32", cap_log2="fp32"), meta32))
+    attn16 = dict(q="*bf16", k_cache="*bf16", v_cache="*bf16", out="*bf16", query_start_loc="*i64", seq_lens="*i64",
+                  block_tables="*i32", scale_log2="fp32", cap_log2="fp32")  # sliding window + soft-capping
+    out.append(Variant("prefill_attention-bf16-small-window-softcap", attention_prefill.prefill_attention_kernel,
+                       attn16, attention.prefill_meta(2048, 3, 64, 16, False, window=True, softcap=True)))
+    out.append(Variant("decode_attention-bf16-small-window-softcap", attention_decode.decode_attention_kernel,
+                       {**attn16, "part_out": "*fp32", "part_lse": "*fp32"},
+                       attention.decode_meta(3, 64, 16, False, False, window=True, softcap=True)))
     names = [v.name for v in out]
     assert len(set(names)) == len(names), "variant names must be unique"
     return out

@@ -7,6 +7,9 @@ the new tokens being the last `q_len` of them (their K/V already written by `res
 position p lives at `k_cache[block_tables[s, p // block_size], :, p % block_size]`. Query token i of
 sequence s attends causally to positions `0 ..= seq_lens[s] - q_len + i`. `out` (T, H, D) is written.
 `max_query_len` / `max_seq_len` are host ints, bounds the caller already knows (no device read).
+`sliding_window` W (a query at p sees only p - W < j <= p) and `softcap` c (scores `c * tanh(s / c)`
+before the mask): see `troupe.kernels.reference.paged_attention`; both are constexpr switches of the
+kernels (`WINDOW`, `SOFTCAP`), so a call without them runs the plain kernels.
 
 Dispatch: `max_query_len == 1` (every sequence one token, T == S) goes to the split-K decode kernel,
 with the split count from `decode_splits`; anything else goes to the prefill kernel, which also serves
@@ -59,7 +62,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     return 1 if splits <= 1 else 1 << (splits.bit_length() - 1)
 
 
-def prefill_meta(max_query_len: int, G: int, D: int, block_size: int, f32: bool) -> dict[str, int]:
+def prefill_meta(max_query_len: int, G: int, D: int, block_size: int, f32: bool, window: bool = False,
+                 softcap: bool = False) -> dict[str, int]:
     """Constexprs and launch options of `prefill_attention_kernel` (shared with the AOT check).
 
     M rows = query tokens x group heads: 128-row tiles (8 warps) for long chunks, 64 for medium ones,
@@ -72,14 +76,16 @@ def prefill_meta(max_query_len: int, G: int, D: int, block_size: int, f32: bool)
         block_m, warps = (64 if rows >= 64 else max(16, triton.next_power_of_2(rows))), 4
     block_m = max(block_m, triton.next_power_of_2(G))
     return dict(G=G, BLOCK_Q=block_m // G, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=block_size,
-                HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), F32=f32, num_warps=warps, num_stages=2)
+                HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), F32=f32, WINDOW=window, SOFTCAP=softcap,
+                num_warps=warps, num_stages=2)
 
 
-def decode_meta(G: int, D: int, block_size: int, f32: bool, direct: bool) -> dict[str, int]:
+def decode_meta(G: int, D: int, block_size: int, f32: bool, direct: bool, window: bool = False,
+                softcap: bool = False) -> dict[str, int]:
     """Constexprs and launch options of `decode_attention_kernel` (shared with the AOT check)."""
     return dict(G=G, G_PAD=max(16, triton.next_power_of_2(G)), BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size,
-                HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), F32=f32, DIRECT=direct,
-                num_warps=4, num_stages=2)
+                HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), F32=f32, DIRECT=direct, WINDOW=window,
+                SOFTCAP=softcap, num_warps=4, num_stages=2)
 
 
 def reduce_meta(D: int, splits: int) -> dict[str, int]:
@@ -100,6 +106,9 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     num_splits: int | None = None,  # decode only; None: `decode_splits`
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over their paged context; fills and returns `out`."""
     check_rows("q", q, 3)
@@ -129,20 +138,24 @@ def paged_attention(
     check(block_tables.shape[0] == S, f"block_tables: must have {S} rows (num_seqs), got {block_tables.shape[0]}")
     check(max_query_len >= 1 and max_seq_len >= 1,
           f"max_query_len, max_seq_len: must be >= 1, got {max_query_len}, {max_seq_len}")
+    check(sliding_window is None or sliding_window >= 1, f"sliding_window: must be >= 1, got {sliding_window}")
+    check(softcap is None or softcap > 0, f"softcap: must be > 0, got {softcap}")
     if T == 0 or S == 0:
         return out
     G = H // KVH
     F32 = dot_in_float32(q)
-    scale_log2 = scale * math.log2(math.e)
+    features = _Features(sliding_window, softcap, scale)
     if max_query_len == 1:
         check(T == S, f"q: a decode batch (max_query_len 1) has one token per sequence: {S}, got {T}")
-        splits = num_splits or decode_splits(S, KVH, max_seq_len, _num_sms(q.device))
+        longest = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys read
+        splits = num_splits or decode_splits(S, KVH, longest, _num_sms(q.device))
         check(1 <= splits <= 256, f"num_splits: must be in [1, 256], got {splits}")
-        _decode(q, k_cache, v_cache, out, seq_lens, block_tables, scale_log2, splits, F32)
+        _decode(q, k_cache, v_cache, out, seq_lens, block_tables, features, splits, F32)
         return out
-    meta = prefill_meta(max_query_len, G, D, BS, F32)
+    meta = prefill_meta(max_query_len, G, D, BS, F32, features.window_on, features.softcap_on)
     prefill_attention_kernel[(T // meta["BLOCK_Q"] + S, KVH)](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2, S,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, features.scale_log2,
+        features.cap_log2, features.window, S,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         **meta,
@@ -150,8 +163,20 @@ def paged_attention(
     return out
 
 
+class _Features:
+    """The kernels' feature arguments: constexpr switches and the runtime values (see `attention_prefill`)."""
+
+    def __init__(self, sliding_window: int | None, softcap: float | None, scale: float) -> None:
+        self.window_on = sliding_window is not None
+        self.softcap_on = softcap is not None
+        self.window = sliding_window or 0
+        log2e = math.log2(math.e)
+        self.scale_log2 = scale * log2e if softcap is None else scale / softcap
+        self.cap_log2 = 0.0 if softcap is None else softcap * log2e
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor, scale_log2: float, splits: int, F32: bool) -> None:
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, features: _Features, splits: int, F32: bool) -> None:
     S, H, D = q.shape
     _, KVH, BS, _ = k_cache.shape
     direct = splits == 1
@@ -159,10 +184,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: 
     part_out = q.new_empty((S, H, splits, D), dtype=torch.float32) if not direct else out
     part_lse = q.new_empty((S, H, splits), dtype=torch.float32) if not direct else out
     decode_attention_kernel[(S, KVH, splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables, scale_log2, splits,
+        q, k_cache, v_cache, out, part_out, part_lse, seq_lens, block_tables, features.scale_log2,
+        features.cap_log2, features.window, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        **decode_meta(H // KVH, D, BS, F32, direct),
+        **decode_meta(H // KVH, D, BS, F32, direct, features.window_on, features.softcap_on),
     )
     if not direct:
         decode_reduce_kernel[(S, H)](
@@ -179,6 +205,9 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,  # (S,)
     block_tables: torch.Tensor,  # (S, W)
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract in plain torch: per sequence, gather its context, float64 causal softmax."""
     T, H, D = q.shape
@@ -195,7 +224,12 @@ def paged_attention_reference(
         vals = v_cache[blocks, :, pos % BS].double().repeat_interleave(H // KVH, dim=1)
         qs = q[starts[s] : starts[s + 1]].double()  # (n, H, D)
         scores = torch.einsum("ihd,khd->hik", qs, keys) * scale  # (H, n, ctx)
-        visible = pos[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]  # (n, ctx)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # (n, 1)
+        visible = pos[None, :] <= qpos  # (n, ctx)
+        if sliding_window is not None:
+            visible &= pos[None, :] > qpos - sliding_window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[starts[s] : starts[s + 1]] = torch.einsum("hik,khd->ihd", probs, vals).to(q.dtype)
     return out

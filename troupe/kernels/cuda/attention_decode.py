@@ -12,6 +12,10 @@ partial output and log2-sum-exp to float32 workspaces and `decode_reduce_kernel`
 Grid `(S, KVH, num_splits)` and `(S, H)`: from tensor shapes and the split count only, so a decode step
 captured in a CUDA graph replays for any context lengths up to the `max_seq_len` it was captured with.
 A sequence with `seq_len` 0 (a padding row) writes zeros.
+
+Attention features, as in `attention_prefill`: with WINDOW the splits cut only the window
+`[max(0, seq_len - window), seq_len)`, so keys out of it are never read; with SOFTCAP the scores are
+soft-capped (`_scores`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from troupe.kernels.cuda.attention_prefill import _dot
+from troupe.kernels.cuda.attention_prefill import _dot, _scores
 
 
 @triton.jit
@@ -32,7 +36,9 @@ def decode_attention_kernel(
     part_lse,  # (S, H, num_splits) float32
     seq_lens,  # (S,)
     block_tables,  # (S, W)
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e); with SOFTCAP scale / softcap
+    cap_log2,  # softcap * log2(e) (SOFTCAP only)
+    window,  # sliding window in positions (WINDOW only)
     num_splits,
     stride_qt,
     stride_qh,
@@ -50,13 +56,18 @@ def decode_attention_kernel(
     D_PAD: tl.constexpr,
     F32: tl.constexpr,
     DIRECT: tl.constexpr,  # num_splits == 1: normalise and write `out`
+    WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     s = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + s).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    first = 0  # the first position the query sees
+    if WINDOW:
+        first = tl.maximum(0, seq_len - window)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(seq_len, lo + split_len)
 
     g = tl.arange(0, G_PAD)
@@ -77,7 +88,7 @@ def decode_attention_kernel(
         row = blk * stride_cb + kvh * stride_ch + (n % BLOCK_SIZE) * stride_ct  # (BLOCK_N,)
         kvmask = n_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_cache + row[:, None] + d[None, :], mask=kvmask, other=0.0)  # (BLOCK_N, D_PAD)
-        scores = _dot(qt, tl.trans(kt), F32) * scale_log2  # (G_PAD, BLOCK_N)
+        scores = _scores(qt, kt, scale_log2, cap_log2, F32, SOFTCAP)  # (G_PAD, BLOCK_N)
         scores = tl.where(n_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])  # the range is non-empty inside the loop: m_new is finite

@@ -12,6 +12,12 @@ Grid: `(T // BLOCK_Q + S, KVH)`, an upper bound on the q-tiles (sequence s owns 
 `query_start_loc[s] // BLOCK_Q + s` onwards, found by a binary search over `query_start_loc`); the
 spare programs return at once. It depends only on tensor shapes: no host sync, graph-capturable.
 A sequence with one token (a decode in a mixed batch) is one q-tile like any other.
+
+Attention features (constexpr switches, so without them the kernel is the plain causal one): WINDOW, a
+query at position p sees keys p - window < j <= p, and the walk starts at the BLOCK_N tile holding the
+q-tile's first window start; SOFTCAP, scores `softcap * tanh(scale * q.k / softcap)`, computed as
+`tanh(dot * scale_log2) * cap_log2` with the launcher passing `scale_log2 = scale / softcap` and
+`cap_log2 = softcap * log2(e)` (`_tanh`: exp-based, within 1.2e-7 of tanh).
 """
 
 from __future__ import annotations
@@ -36,6 +42,24 @@ def _find_sequence(query_start_loc, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 from one exp: (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1] (no overflow)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _scores(qt, kt, scale_log2, cap_log2, F32: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Q K^T of a (M, D) and a (N, D) tile in the log2 domain, soft-capped with SOFTCAP (see the module
+    docstring for what `scale_log2` and `cap_log2` hold)."""
+    if SOFTCAP:
+        return _tanh(_dot(qt, tl.trans(kt), F32) * scale_log2) * cap_log2
+    else:
+        return _dot(qt, tl.trans(kt), F32) * scale_log2
+
+
+@triton.jit
 def _dot(a, b, F32: tl.constexpr):
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -52,7 +76,9 @@ def prefill_attention_kernel(
     query_start_loc,  # (S + 1,)
     seq_lens,  # (S,)
     block_tables,  # (S, W)
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e); with SOFTCAP scale / softcap
+    cap_log2,  # softcap * log2(e) (SOFTCAP only)
+    window,  # sliding window in positions (WINDOW only)
     num_seqs,
     stride_qt,
     stride_qh,
@@ -70,6 +96,8 @@ def prefill_attention_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     F32: tl.constexpr,  # dots in float32 (float32 inputs, or the CPU interpreter)
+    WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,16 +126,21 @@ def prefill_attention_kernel(
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
     # the tile's last query sees positions < kv_end
     kv_end = tl.minimum(seq_len, ctx0 + tl.minimum(q_len, (tile + 1) * BLOCK_Q))
+    kv_start = 0
+    if WINDOW:  # the tile's first query sees positions from kv_start + (up to BLOCK_N - 1) on
+        kv_start = tl.maximum(0, ctx0 + tile * BLOCK_Q - window + 1) // BLOCK_N * BLOCK_N
     table = block_tables + s.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) context positions
         n_ok = n < kv_end
         blk = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         row = blk * stride_cb + kvh * stride_ch + (n % BLOCK_SIZE) * stride_ct  # (BLOCK_N,)
         kvmask = n_ok[:, None] & d_ok[None, :]
         kt = tl.load(k_cache + row[:, None] + d[None, :], mask=kvmask, other=0.0)  # (BLOCK_N, D_PAD)
-        scores = _dot(qt, tl.trans(kt), F32) * scale_log2  # (BLOCK_M, BLOCK_N)
+        scores = _scores(qt, kt, scale_log2, cap_log2, F32, SOFTCAP)  # (BLOCK_M, BLOCK_N)
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > qpos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet: no NaN

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from troupe.errors import InvalidInputError
 from troupe.kernels.base import (
+    ATTENTION_FEATURES,
     EmbeddingOp,
     KernelSet,
     KVSpec,
@@ -65,6 +66,7 @@ class CudaKernels(KernelSet):
 
     name = "cuda"
     dequantizes_to_model_dtype = True  # `dense_on`: a GGUF's blocks become bf16 (or the model's dtype) on the GPU
+    attention_features = ATTENTION_FEATURES
 
     def __init__(self, device: torch.device | str = "cuda", *, dtype: torch.dtype | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024) -> None:
@@ -168,7 +170,9 @@ class CudaKernels(KernelSet):
         return q, k
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: Any,
-                  scale: float, layer: int) -> torch.Tensor:
+                  scale: float, layer: int, *, sliding_window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, H, D)
         return paged_attention(q, kv[0], kv[1], out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                               scale, meta.max_query_len, meta.max_seq_len)
+                               scale, meta.max_query_len, meta.max_seq_len, sliding_window=sliding_window,
+                               softcap=softcap)

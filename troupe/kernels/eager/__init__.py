@@ -14,7 +14,16 @@ from collections.abc import Sequence
 import torch
 
 from troupe.errors import InvalidInputError
-from troupe.kernels.base import KernelSet, KVSpec, LayerKV, LinearOp, ScheduledSeq, StepBatch, flatten_step
+from troupe.kernels.base import (
+    ATTENTION_FEATURES,
+    KernelSet,
+    KVSpec,
+    LayerKV,
+    LinearOp,
+    ScheduledSeq,
+    StepBatch,
+    flatten_step,
+)
 from troupe.kernels.eager.attention import EagerMetadata, paged_attention
 from troupe.kernels.eager.linear import Linear
 from troupe.kernels.eager.rows import ROW_CACHE_MIN_BYTES, DecodeRowCache
@@ -28,6 +37,7 @@ class EagerKernels(KernelSet):
     that dtype's name is accepted; anything else is refused when the pool is sized."""
 
     name = "eager"
+    attention_features = ATTENTION_FEATURES
 
     def __init__(self, decode_row_cache_bytes: int | None = None, kv_cache_dtype: str = "auto") -> None:
         super().__init__("cpu")
@@ -81,8 +91,10 @@ class EagerKernels(KernelSet):
         return q, k
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
-                  meta: EagerMetadata, scale: float, layer: int) -> torch.Tensor:  # type: ignore[override]
-        return paged_attention(q, k, v, kv[0], kv[1], meta, scale, layer)
+                  meta: EagerMetadata, scale: float, layer: int, *,  # type: ignore[override]
+                  sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv[0], kv[1], meta, scale, layer, sliding_window=sliding_window,
+                               softcap=softcap)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

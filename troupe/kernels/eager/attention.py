@@ -19,6 +19,13 @@ in a row cache (`troupe.kernels.eager.rows`), the decodes attend over that inste
 written to the rows too, a row that is new (or stale) is first filled from the pool, and per group of
 `ROW_GROUP` rows one bmm + softmax + bmm up to the group's longest context does the rest. The pool stays
 the source of truth.
+
+Sliding window and soft-capping (`troupe.kernels.base`, "Attention features"): a window changes which
+positions are read, so the plan is built per window (`EagerMetadata.plans`) and reads only the blocks that
+hold a query's window (a decode gathers its window's blocks; a chunk the blocks from its first query's
+window on; a group of rows from the earliest window start of its rows). A cap is applied to the scores
+before the mask, which SDPA cannot do: with a cap, every path computes scores, cap, mask, softmax and P V
+itself in float32 (`_capped_attention`, in pieces of at most `_MATH_MAX_SCORES` scores).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class EagerMetadata(AttentionMetadata):
 
     rows: DecodeRows | None = None  # the decodes' row cache; None: decodes gather from the pool
     plan: _TorchPlan | None = field(default=None, repr=False)  # attention indices, built on first use
+    plans: dict[int, _TorchPlan] = field(default_factory=dict, repr=False)  # the same per sliding window
     rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (cos, sin) (T, 1, D/2)
 
 
@@ -62,7 +70,9 @@ class DecodeRows:
     write_idx: torch.Tensor  # (B * KVH,) its new token's index in `k[layer].view(-1, D)`, per kv head
     refills: list[tuple[int, torch.Tensor, int]]  # (row, blocks (nb,), ctx_len): copy from the pool first
     groups: list[tuple[int, int, torch.Tensor]]  # (r0, r1, bias ((r1 - r0) * KVH, 1, L))
-    _bias_g: list[torch.Tensor] = field(default_factory=list, repr=False)  # biases repeated for the G heads
+    row_lens: list[int] = field(default_factory=list)  # (R,) context length of each row's decode, 0: none
+    # (window or 0, dtype) -> per group (first position read, its bias repeated for the G heads)
+    _bias_g: dict[tuple[int, torch.dtype], list[tuple[int, torch.Tensor]]] = field(default_factory=dict, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -105,14 +115,35 @@ class DecodeRows:
             write_idx=(heads + (len_t - 1)[:, None]).reshape(-1),  # (B * KVH,)
             refills=refills,
             groups=groups,
+            row_lens=row_len,
         )
+
+    def biases(self, window: int | None, dtype: torch.dtype, G: int) -> list[tuple[int, torch.Tensor]]:
+        """Per group: the first position it reads, and its bias from there ((r1 - r0) * KVH, G, L - first)
+        in `dtype`, with `window` also -inf before each row's window (built once per step and window)."""
+        key = (window or 0, dtype)
+        if key not in self._bias_g:
+            out = []
+            for r0, r1, bias in self.groups:
+                first = 0
+                if window is not None:
+                    lens = torch.tensor(self.row_lens[r0:r1])  # (n,)
+                    starts = (lens - window).clamp(min=0)  # (n,) each row's first visible position
+                    first = int(starts[lens > 0].min())
+                    old = torch.arange(bias.shape[-1])[None, :] < starts[:, None]  # (n, L)
+                    bias = bias.masked_fill(old.repeat_interleave(bias.shape[0] // len(lens), dim=0)[:, None, :],
+                                            float("-inf"))
+                bias = bias[..., first:].to(dtype)
+                out.append((first, bias.expand(bias.shape[0], G, bias.shape[-1]).contiguous()))
+            self._bias_g[key] = out
+        return self._bias_g[key]
 
 
 @dataclass(slots=True)
 class _Decodes:
     tokens: torch.Tensor  # (B,) token index of each decode in the step
-    blocks: torch.Tensor  # (B * nb,) their block tables, cut to the longest decode context, flattened
-    mask: torch.Tensor  # (B, 1, 1, nb * block_size) bool: key position < seq_len
+    blocks: torch.Tensor  # (B * nb,) their block tables from each window's first block, nb blocks each
+    mask: torch.Tensor  # (B, 1, 1, nb * block_size) bool: the key position is in [seq_len - window, seq_len)
     k_buf: torch.Tensor | None = None  # (B * nb, BS, KVH, D) gather targets, reused by every layer
     v_buf: torch.Tensor | None = None
 
@@ -121,9 +152,10 @@ class _Decodes:
 class _Chunk:
     start: int  # token range of this sequence in the step
     end: int
-    blocks: torch.Tensor | None  # (nb,) the blocks holding its context; None: no earlier context
+    blocks: torch.Tensor | None  # (nb,) the blocks holding the keys it reads; None: no earlier context
+    key0: int  # the first position it reads (0 without a window)
     ctx_len: int
-    mask: torch.Tensor  # (G * q_len, ctx_len) bool, causal with offset, repeated for the G folded heads
+    mask: torch.Tensor  # (G * q_len, ctx_len - key0) bool, causal with offset (and the window), G times
     bias: torch.Tensor | None = None  # the mask as float32 0 / -inf, for the bmm path
 
 
@@ -147,34 +179,47 @@ def paged_attention(
     meta: EagerMetadata,
     scale: float,
     layer: int = 0,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attend over the pool (which holds the step's new tokens); returns (T, H, D).
+    """Attend over the pool (which holds the step's new tokens); returns (T, H, D). `sliding_window`,
+    `softcap`: see `troupe.kernels.reference.paged_attention`.
 
     `layer` picks this layer's tensors in `meta.rows` (unused without a row cache)."""
     T, H, D = q.shape
     _, BS, KVH, _ = k_cache.shape
     G = H // KVH
-    if meta.plan is None:
-        meta.plan = _build_plan(meta, BS, G)
+    if sliding_window is None:
+        if meta.plan is None:
+            meta.plan = _build_plan(meta, BS, G, None)
+        plan = meta.plan
+    else:
+        if sliding_window not in meta.plans:
+            meta.plans[sliding_window] = _build_plan(meta, BS, G, sliding_window)
+        plan = meta.plans[sliding_window]
     out = torch.empty_like(q)  # (T, H, D)
     if meta.rows is not None:
-        _row_attention(q, k, v, k_cache, v_cache, meta.rows, layer, scale, out)
-    if meta.plan.decodes is not None:
-        _decode_attention(q, k_cache, v_cache, meta.plan.decodes, scale, out)
-    for c in meta.plan.chunks:
+        _row_attention(q, k, v, k_cache, v_cache, meta.rows, layer, scale, out, sliding_window, softcap)
+    if plan.decodes is not None:
+        _decode_attention(q, k_cache, v_cache, plan.decodes, scale, out, softcap)
+    for c in plan.chunks:
         n = c.end - c.start
         qc = q[c.start : c.end].view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * n, D)  # (KVH, G*n, D)
         if c.blocks is None:  # the whole context is this chunk: no need to read it back from the pool
-            kc = k[c.start : c.end].transpose(0, 1)  # (KVH, L, D)
-            vc = v[c.start : c.end].transpose(0, 1)  # (KVH, L, D)
+            kc = k[c.start + c.key0 : c.end].transpose(0, 1)  # (KVH, L, D)
+            vc = v[c.start + c.key0 : c.end].transpose(0, 1)  # (KVH, L, D)
         else:
+            skip = c.key0 % BS  # the blocks start on a boundary, the keys at key0
             kc = (
-                k_cache.index_select(0, c.blocks).view(-1, KVH, D)[: c.ctx_len].transpose(0, 1)
+                k_cache.index_select(0, c.blocks).view(-1, KVH, D)[skip : skip + c.ctx_len - c.key0].transpose(0, 1)
             )  # (KVH, L, D)
             vc = (
-                v_cache.index_select(0, c.blocks).view(-1, KVH, D)[: c.ctx_len].transpose(0, 1)
+                v_cache.index_select(0, c.blocks).view(-1, KVH, D)[skip : skip + c.ctx_len - c.key0].transpose(0, 1)
             )  # (KVH, L, D)
-        if q.dtype == torch.float32 and G * n * c.ctx_len <= _MATH_MAX_SCORES:
+        if softcap is not None:
+            oc = _capped_attention(qc, kc, vc, c.mask, scale, softcap)  # (KVH, G*n, D)
+        elif q.dtype == torch.float32 and G * n * (c.ctx_len - c.key0) <= _MATH_MAX_SCORES:
             if c.bias is None:
                 c.bias = torch.zeros(c.mask.shape).masked_fill_(~c.mask, float("-inf"))
             scores = torch.baddbmm(c.bias, qc, kc.transpose(1, 2), alpha=scale)  # (KVH, G*n, L)
@@ -192,6 +237,7 @@ def _decode_attention(
     dec: _Decodes,
     scale: float,
     out: torch.Tensor,  # (T, H, D), the decode rows are filled in
+    softcap: float | None,
 ) -> None:
     _, BS, KVH, D = k_cache.shape
     B, H = dec.tokens.shape[0], q.shape[1]
@@ -208,7 +254,12 @@ def _decode_attention(
         torch.index_select(v_cache, 0, dec.blocks, out=dec.v_buf).view(B, L, KVH, D).transpose(1, 2)
     )  # (B, KVH, L, D)
     qd = q.index_select(0, dec.tokens).view(B, KVH, H // KVH, D)  # (B, KVH, G, D)
-    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)  # (B, KVH, G, D)
+    if softcap is None:
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)  # (B, KVH, G, D)
+    else:
+        mask = dec.mask.view(B, 1, L)  # per kv head: the gathered blocks are read in place (strided, no copy)
+        od = torch.stack([_capped_attention(qd[:, h], kd[:, h], vd[:, h], mask, scale, softcap)
+                          for h in range(KVH)], dim=1)  # (B, KVH, G, D)
     out.index_copy_(0, dec.tokens, od.reshape(B, H, D))
 
 
@@ -222,6 +273,8 @@ def _row_attention(
     layer: int,
     scale: float,
     out: torch.Tensor,  # (T, H, D), the decode rows are filled in
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     kr, vr = dr.k[layer], dr.v[layer]  # (RC, KVH, LC, D)
     RC, KVH, LC, D = kr.shape
@@ -236,14 +289,14 @@ def _row_attention(
     qr = q.new_zeros(R, H, D)  # (R, H, D): rows without a decode get a zero query
     qr.index_copy_(0, dr.rows, q.index_select(0, dr.tokens))
     o = q.new_zeros(R * KVH, G, D)  # (R*KVH, G, D): rows in skipped groups stay zero (no decode reads them)
-    if not dr._bias_g or dr._bias_g[0].dtype != q.dtype:
-        dr._bias_g = [bias.to(q.dtype).expand(bias.shape[0], G, bias.shape[-1]).contiguous() for *_, bias in dr.groups]
-    for (r0, r1, _), bias_g in zip(dr.groups, dr._bias_g, strict=True):
-        L = bias_g.shape[-1]
-        kk = kr.view(RC * KVH, LC, D)[r0 * KVH : r1 * KVH, :L]  # (n*KVH, L, D), strided rows: no copy
-        vv = vr.view(RC * KVH, LC, D)[r0 * KVH : r1 * KVH, :L]  # (n*KVH, L, D)
+    for (r0, r1, _), (first, bias_g) in zip(dr.groups, dr.biases(window, q.dtype, G), strict=True):
+        L = bias_g.shape[-1]  # positions [first, first + L)
+        kk = kr.view(RC * KVH, LC, D)[r0 * KVH : r1 * KVH, first : first + L]  # (n*KVH, L, D), strided: no copy
+        vv = vr.view(RC * KVH, LC, D)[r0 * KVH : r1 * KVH, first : first + L]  # (n*KVH, L, D)
         qg = qr[r0:r1].view((r1 - r0) * KVH, G, D)  # (n*KVH, G, D)
-        if q.dtype == torch.float32:
+        if softcap is not None:
+            o[r0 * KVH : r1 * KVH] = _capped_attention(qg, kk, vv, bias_g == 0, scale, softcap)
+        elif q.dtype == torch.float32:
             scores = torch.baddbmm(bias_g, qg, kk.transpose(1, 2), alpha=scale)  # (n*KVH, G, L)
             torch.bmm(torch.softmax(scores, dim=-1, out=scores), vv, out=o[r0 * KVH : r1 * KVH])
         else:  # bmm + softmax in bf16 would lose precision: SDPA accumulates in float
@@ -255,25 +308,64 @@ def _row_attention(
     out.index_copy_(0, dr.tokens, o.view(R, H, D).index_select(0, dr.rows))
 
 
-def _build_plan(meta: EagerMetadata, block_size: int, G: int) -> _TorchPlan:
+def _build_plan(meta: EagerMetadata, block_size: int, G: int, window: int | None) -> _TorchPlan:
+    BS = block_size
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     in_rows = set() if meta.rows is None else set(meta.rows.tokens.tolist())
     dec_seqs = [s for s in range(len(seq_lens)) if starts[s + 1] - starts[s] == 1 and starts[s] not in in_rows]
     decodes = None
     if dec_seqs:
-        nb = -(-max(seq_lens[s] for s in dec_seqs) // block_size)
         idx = torch.tensor(dec_seqs)
-        mask = torch.arange(nb * block_size) < meta.seq_lens[idx][:, None]  # (B, L)
-        blocks = meta.block_tables[idx, :nb].reshape(-1)  # (B * nb,)
+        lens = meta.seq_lens[idx]  # (B,)
+        if window is None:
+            nb = -(-max(seq_lens[s] for s in dec_seqs) // BS)
+            mask = torch.arange(nb * BS) < lens[:, None]  # (B, L)
+            blocks = meta.block_tables[idx, :nb].reshape(-1)  # (B * nb,)
+        else:  # each decode's blocks from the one holding its window's first position
+            lo = (lens - window).clamp(min=0)  # (B,) first visible position
+            b0 = lo // BS  # (B,)
+            nb = int(((lens - 1) // BS - b0).max()) + 1
+            cols = b0[:, None] + torch.arange(nb)  # (B, nb) block index in each table, past its end for some
+            pos = cols[:, :, None] * BS + torch.arange(BS)  # (B, nb, BS) the position each key slot holds
+            mask = ((pos >= lo[:, None, None]) & (pos < lens[:, None, None])).view(len(dec_seqs), nb * BS)
+            cols = cols.clamp(max=meta.block_tables.shape[1] - 1)  # read some valid block there; masked
+            blocks = meta.block_tables[idx[:, None], cols].reshape(-1)  # (B * nb,)
         decodes = _Decodes(tokens=meta.query_start_loc[idx], blocks=blocks, mask=mask[:, None, None, :])
     chunks = []
     for s, ctx in enumerate(seq_lens):
         n = starts[s + 1] - starts[s]
         if n <= 1:
             continue
-        ctx_blocks = meta.block_tables[s, : -(-ctx // block_size)] if ctx > n else None
+        key0 = 0 if window is None else max(0, ctx - n + 1 - window)  # what the first query sees first
+        ctx_blocks = meta.block_tables[s, key0 // BS : -(-ctx // BS)] if ctx > n else None
         qpos = torch.arange(ctx - n, ctx)  # (n,) positions of the new tokens
-        mask = torch.arange(ctx)[None, :] <= qpos[:, None]  # (n, ctx)
-        chunks.append(_Chunk(starts[s], starts[s + 1], ctx_blocks, ctx, mask.repeat(G, 1)))
+        kpos = torch.arange(key0, ctx)  # (L,) positions read
+        mask = kpos[None, :] <= qpos[:, None]  # (n, L)
+        if window is not None:
+            mask &= kpos[None, :] > qpos[:, None] - window
+        chunks.append(_Chunk(starts[s], starts[s + 1], ctx_blocks, key0, ctx, mask.repeat(G, 1)))
     return _TorchPlan(decodes, chunks)
+
+
+def _capped_attention(
+    q: torch.Tensor,  # (B, M, D)
+    k: torch.Tensor,  # (B, L, D)
+    v: torch.Tensor,  # (B, L, D)
+    mask: torch.Tensor,  # (M, L) or (B or 1, M or 1, L) bool: visible
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention in float32: `softmax(mask(cap * tanh(scale * q.k / cap))) v`, in pieces of
+    query rows of at most `_MATH_MAX_SCORES` scores; (B, M, D) in q's dtype."""
+    B, M, D = q.shape
+    L = k.shape[1]
+    kf, vf = k.float().transpose(1, 2), v.float()  # (B, D, L), (B, L, D)
+    mask = mask.expand(B, M, L)
+    out = q.new_empty(B, M, D)
+    rows = max(1, _MATH_MAX_SCORES // max(1, B * L))
+    for m0 in range(0, M, rows):
+        scores = torch.bmm(q[:, m0 : m0 + rows].float(), kf).mul_(scale / softcap).tanh_().mul_(softcap)
+        scores.masked_fill_(~mask[:, m0 : m0 + rows], float("-inf"))  # (B, m, L)
+        out[:, m0 : m0 + rows] = torch.bmm(torch.softmax(scores, dim=-1), vf).to(q.dtype)
+    return out

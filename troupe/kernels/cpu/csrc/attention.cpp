@@ -31,7 +31,8 @@ struct Item {
 
 std::tuple<at::Tensor, at::Tensor, int64_t> plan(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                                  int64_t num_heads, int64_t num_kv_heads, int64_t num_threads,
-                                                 int64_t min_split, int64_t min_parallel) {
+                                                 int64_t min_split, int64_t min_parallel, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(query_start_loc.dtype() == at::kLong && seq_lens.dtype() == at::kLong, "int64 metadata expected");
   TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous(), "contiguous metadata expected");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
@@ -47,12 +48,14 @@ std::tuple<at::Tensor, at::Tensor, int64_t> plan(const at::Tensor& query_start_l
     TORCH_CHECK(n >= 1 && ctx >= n, "sequence ", s, ": ", n, " new tokens, context ", ctx);
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       if (n == 1) {
-        items.push_back({{kDecode, s, h, 0, ctx, -1}, ctx * G});
-        total += ctx * G;
+        const int64_t a = window_start(ctx - 1, window) / kDecodeTile * kDecodeTile;
+        items.push_back({{kDecode, s, h, a, ctx, -1}, (ctx - a) * G});
+        total += (ctx - a) * G;
         continue;
       }
       for (int64_t i0 = 0; i0 < n; i0 += tile) {
-        const int64_t i1 = std::min(n, i0 + tile), cost = (i1 - i0) * G * (ctx - n + i1);
+        const int64_t i1 = std::min(n, i0 + tile);
+        const int64_t cost = (i1 - i0) * G * (ctx - n + i1 - window_start(ctx - n + i0, window));
         items.push_back({{kPrefill, s, h, i0, i1, -1}, cost});
         total += cost;
       }
@@ -65,17 +68,17 @@ std::tuple<at::Tensor, at::Tensor, int64_t> plan(const at::Tensor& query_start_l
     std::vector<Item> split;
     int64_t slot = 0;
     for (const Item& it : items) {
-      const int64_t ctx = it.cols[4];
-      int64_t pieces = std::min((it.cost + share - 1) / share, ctx / std::max<int64_t>(1, min_split));
+      const int64_t a = it.cols[3], ctx = it.cols[4];
+      int64_t pieces = std::min((it.cost + share - 1) / share, (ctx - a) / std::max<int64_t>(1, min_split));
       if (it.cols[0] != kDecode || pieces <= 1) {
         split.push_back(it);
         continue;
       }
-      int64_t len = (ctx + pieces - 1) / pieces;
+      int64_t len = (ctx - a + pieces - 1) / pieces;
       len = (len + kDecodeTile - 1) / kDecodeTile * kDecodeTile;
-      pieces = (ctx + len - 1) / len;
+      pieces = (ctx - a + len - 1) / len;
       merges.insert(merges.end(), {it.cols[1], it.cols[2], slot, pieces});
-      for (int64_t c0 = 0; c0 < ctx; c0 += len) {
+      for (int64_t c0 = a; c0 < ctx; c0 += len) {
         const int64_t c1 = std::min(ctx, c0 + len);
         split.push_back({{kDecode, it.cols[1], it.cols[2], c0, c1, slot++}, (c1 - c0) * G});
       }
@@ -104,7 +107,8 @@ DType dtype_of(const at::Tensor& t) {
 void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      const at::Tensor& items, const at::Tensor& merges, const at::Tensor& scratch,
-                     const at::Tensor& out, double scale, int64_t threads) {
+                     const at::Tensor& out, double scale, int64_t threads, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be (T, H, D) with a contiguous last dim");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
@@ -146,6 +150,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   a.DP = padded_dim(int(D));
   a.BS = int(BS);
   a.scale = float(scale);
+  a.window = window;
+  a.softcap = float(softcap);
   a.qtype = dtype_of(q);
   a.kvtype = dtype_of(k_pool);
   a.scratch = nullptr;
@@ -196,10 +202,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
 
 TORCH_LIBRARY(troupe_attention, m) {
   m.def("plan(Tensor query_start_loc, Tensor seq_lens, int num_heads, int num_kv_heads, int num_threads, "
-        "int min_split, int min_parallel) -> (Tensor, Tensor, int)",
+        "int min_split, int min_parallel, int window=0) -> (Tensor, Tensor, int)",
         &troupe_attn::plan);
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, Tensor items, Tensor merges, Tensor scratch, Tensor(a!) out, float scale, "
-        "int threads) -> ()",
+        "int threads, int window=0, float softcap=0.) -> ()",
         &troupe_attn::paged_attention);
 }

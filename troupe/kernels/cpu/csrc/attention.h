@@ -9,11 +9,17 @@
 // A step's work is a list of items (built once per step by `plan`, attention.cpp), each one row of
 // `kItemCols` int64: [kind, seq, kv_head, a, b, slot].
 // - kind kDecode: the one new token of `seq`, all G = H / KVH query heads of `kv_head`, over context
-//   positions [a, b) (a a multiple of kDecodeTile). slot < 0: the item covers the whole context and writes
-//   the output; slot >= 0: a split-K piece, which writes (max, sum, unnormalised output) of its G heads to
-//   scratch[slot] for the merge pass.
+//   positions [a, b) (a a multiple of kDecodeTile). slot < 0: the item covers the whole context (from
+//   its window's start rounded down to kDecodeTile) and writes the output; slot >= 0: a split-K piece,
+//   which writes (max, sum, unnormalised output) of its G heads to scratch[slot] for the merge pass.
 // - kind kPrefill: new tokens [a, b) of `seq` (indices within its chunk), causal with the offset of the
 //   cached context, all G heads of `kv_head` at once.
+//
+// Sliding window (`window` > 0, the same for the step's plan and the layer's call): a query at position
+// p sees keys p - window < j <= p. The plan starts each decode item at its window (rounded down to
+// kDecodeTile), the kernels mask the keys before it and prefill items skip the KV tiles before their
+// first token's window. Soft-capping (`softcap` > 0): scores become softcap * tanh(score / softcap)
+// before the mask (vec_attn.h `vsoftcap`). window 0 and softcap 0: plain causal attention, the same code.
 #pragma once
 
 #include <algorithm>
@@ -44,8 +50,15 @@ struct AttnArgs {
   float* scratch;  // (slots, G, DP + 2): per split-K piece and head, max, sum, then the output row
   int H, KVH, G, D, DP, BS;
   float scale;
+  int64_t window;  // 0: none
+  float softcap;  // 0: none
   DType qtype, kvtype;
 };
+
+// The first position a query at `pos` sees (0 without a window).
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
 
 // Per-thread float scratch, kept across calls (grown when a call needs more).
 struct Buffers {

@@ -15,6 +15,9 @@
 // arithmetic of this one at an even rate instead of in a burst the fill buffers cannot hold. Other
 // block sizes copy each chunk's keys and V rows into buffers first.
 // A split-K piece leaves (m, l, unnormalised output) in scratch for `merge_pieces`.
+// With a sliding window the item starts at the window's start rounded down to kDecodeTile (the plan), so
+// only its first tile has keys before the window, masked like the keys past the end; with soft-capping
+// the score registers are capped before the mask.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -50,12 +53,13 @@ constexpr int kPVHeads = 3;
 #endif
 constexpr int kPVVecs = 4;
 
-// Scores of GB heads over the tile (chunk c of W keys is k[c], (D, W) at stride ks; keys [n, TK) masked)
-// and the online-softmax update of each head in registers: s[g][0..TK) becomes exp(score - m_new), m and
-// l are updated and alpha[g] = exp(m_old - m_new) is the factor for the head's old output.
+// Scores of GB heads over the tile (chunk c of W keys is k[c], (D, W) at stride ks; keys [0, skip) and
+// [n, TK) masked, skip < n; with cap > 0 soft-capped first) and the online-softmax update of each head in
+// registers: s[g][0..TK) becomes exp(score - m_new), m and l are updated and alpha[g] = exp(m_old - m_new)
+// is the factor for the head's old output.
 template <int GB, typename KT>
-TROUPE_INLINE void qk_softmax(const float* q, int DP, const KT* const* k, int64_t ks, int D, int n, float* s,
-                              float* m, float* l, float* alpha, const KT* const* pf) {
+TROUPE_INLINE void qk_softmax(const float* q, int DP, const KT* const* k, int64_t ks, int D, int n, int skip,
+                              float cap, float* s, float* m, float* l, float* alpha, const KT* const* pf) {
   vf acc[GB][NC];
   for (int g = 0; g < GB; ++g) {
     for (int c = 0; c < NC; ++c) acc[g][c] = vzero();
@@ -71,7 +75,17 @@ TROUPE_INLINE void qk_softmax(const float* q, int DP, const KT* const* k, int64_
       for (int c = 0; c < NC; ++c) acc[g][c] = vfma(qb, kv[c], acc[g][c]);
     }
   }
-  if (n < TK) {
+  if (cap > 0.0f) {
+    const float inv_cap = 1.0f / cap;
+    for (int g = 0; g < GB; ++g) {
+      for (int c = 0; c < NC; ++c) acc[g][c] = vsoftcap(acc[g][c], cap, inv_cap);
+    }
+  }
+  if (skip > 0) {
+    for (int g = 0; g < GB; ++g) {
+      for (int c = 0; c < NC; ++c) acc[g][c] = vkeep_range(acc[g][c], skip - c * W, n - c * W, kNegInf);
+    }
+  } else if (n < TK) {
     for (int g = 0; g < GB; ++g) {
       for (int c = 0; c < NC; ++c) acc[g][c] = vkeep_first(acc[g][c], n - c * W, kNegInf);
     }
@@ -94,18 +108,18 @@ TROUPE_INLINE void qk_softmax(const float* q, int DP, const KT* const* k, int64_
 }
 
 template <typename KT>
-TROUPE_INLINE void qk_tile(const float* q, int G, int DP, const KT* const* k, int64_t ks, int D, int n, float* s,
-                           float* m, float* l, float* alpha, const KT* const* pf) {
+TROUPE_INLINE void qk_tile(const float* q, int G, int DP, const KT* const* k, int64_t ks, int D, int n, int skip,
+                           float cap, float* s, float* m, float* l, float* alpha, const KT* const* pf) {
   for (int g = 0; g < G; g += kQKHeads, pf = nullptr) {
     const float* qg = q + g * DP;
     float* sg = s + g * TK;
     switch (std::min(kQKHeads, G - g)) {
 #if defined(__AVX512F__)
-      case 4: qk_softmax<4>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
+      case 4: qk_softmax<4>(qg, DP, k, ks, D, n, skip, cap, sg, m + g, l + g, alpha + g, pf); break;
 #endif
-      case 3: qk_softmax<3>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
-      case 2: qk_softmax<2>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
-      default: qk_softmax<1>(qg, DP, k, ks, D, n, sg, m + g, l + g, alpha + g, pf); break;
+      case 3: qk_softmax<3>(qg, DP, k, ks, D, n, skip, cap, sg, m + g, l + g, alpha + g, pf); break;
+      case 2: qk_softmax<2>(qg, DP, k, ks, D, n, skip, cap, sg, m + g, l + g, alpha + g, pf); break;
+      default: qk_softmax<1>(qg, DP, k, ks, D, n, skip, cap, sg, m + g, l + g, alpha + g, pf); break;
     }
   }
 }
@@ -247,14 +261,16 @@ void decode(const AttnArgs& a, int64_t seq, int64_t h, int64_t c0, int64_t c1, i
   const KT* vc[NC];
   const KT* kn[NC];
   const KT* vn[NC];
+  const int64_t lo = window_start(a.seq_lens[seq] - 1, a.window);  // keys before it are out of the window
   chunks(c0, kc, vc);
   for (int64_t p0 = c0; p0 < c1; p0 += TK) {
     const int n = int(std::min<int64_t>(TK, c1 - p0));
+    const int skip = int(std::max<int64_t>(0, std::min<int64_t>(lo - p0, TK)));
     const bool next = direct && p0 + TK < c1;
     // Reading the pool in place, the next tile's lines are requested while this one computes, spread
     // over its loops (a line per key vector and dimension, the lines of a V row per key).
     if (next) chunks(p0 + TK, kn, vn);
-    qk_tile(qs, G, DP, kc, ks, D, n, s, ms, ls, alphas, next ? kn : nullptr);
+    qk_tile(qs, G, DP, kc, ks, D, n, skip, a.softcap, s, ms, ls, alphas, next ? kn : nullptr);
     pv_tile(acc, G, DP, D, s, alphas, vc, n, next ? vn : nullptr);
     if (next) {
       std::copy(kn, kn + NC, kc);

@@ -8,7 +8,10 @@
 // on those same registers the causal mask and each row's online-softmax update (only the probabilities
 // go to memory), then O = O * alpha + P V by microkernels holding a block of rows x a chunk of D in
 // registers. KV tiles entirely after a row's position are never read
-// for it; the first tile (position 0) is visible to every row, so no row's running max stays -inf.
+// for it. With a sliding window the walk starts at the tile holding the first token's window start, and
+// each row also masks the keys before its own window; a row with no visible key in a tile leaves its
+// state as it is (every row sees itself, so none ends with an empty sum). With soft-capping the score
+// registers are capped before the mask.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,11 +38,16 @@ constexpr int kNV = 4;        // vectors of D per O microkernel
 constexpr int kRowsTarget = 64;  // query rows per item (tokens x G)
 
 // The causal view of one KV tile: row r (token r / G of the item) sees the tile's first
-// min(nk, first + r / G) keys (first: what row 0 sees, <= 0 when none).
+// min(nk, first + r / G) keys (first: what row 0 sees, <= 0 when none), from key `lo(r)` on with a window.
 struct TileView {
   int nk, G;
   int64_t first;
+  int64_t window;  // 0: none
+  float cap;  // soft-capping, 0: none
   int visible(int r) const { return int(std::max<int64_t>(0, std::min<int64_t>(nk, first + r / G))); }
+  int lo(int r) const {
+    return window > 0 ? int(std::max<int64_t>(0, std::min<int64_t>(kTK, first + r / G - window))) : 0;
+  }
 };
 
 // For RB rows: S[r][0..kTK) = Q[r] . Kt[:, 0..kTK) (Kt is (D, kTK)), then each row's online-softmax update
@@ -60,17 +68,27 @@ inline __attribute__((always_inline)) void s_block(const float* q, int DP, const
       for (int r = 0; r < RB; ++r) acc[r][c] = vfma(qb[r], kv, acc[r][c]);
     }
   }
+  if (view.cap > 0.0f) {
+    const float inv_cap = 1.0f / view.cap;
+    for (int r = 0; r < RB; ++r) {
+      for (int c = 0; c < kTKV; ++c) acc[r][c] = vsoftcap(acc[r][c], view.cap, inv_cap);
+    }
+  }
   for (int r = 0; r < RB; ++r) {
-    const int vis = view.visible(r0 + r);
+    const int vis = view.visible(r0 + r), lo = view.lo(r0 + r);
     float* sr = s + r * kTK;
-    if (vis <= 0) {
+    if (vis <= lo) {  // no visible key here (vis <= 0 without a window)
       for (int c = 0; c < kTKV; ++c) vstore(sr + c * W, vzero());
       alpha[r] = 1.0f;
       continue;
     }
     vf mx = vset1(kNegInf);
     for (int c = 0; c < kTKV; ++c) {
-      if (vis < kTK) acc[r][c] = vkeep_first(acc[r][c], vis - c * W, kNegInf);
+      if (lo > 0) {
+        acc[r][c] = vkeep_range(acc[r][c], lo - c * W, vis - c * W, kNegInf);
+      } else if (vis < kTK) {
+        acc[r][c] = vkeep_first(acc[r][c], vis - c * W, kNegInf);
+      }
       mx = vmax(mx, acc[r][c]);
     }
     const float m_new = std::max(m[r], vhmax(mx));
@@ -178,8 +196,9 @@ void prefill(const AttnArgs& a, int64_t seq, int64_t h, int64_t i0, int64_t i1, 
   const int64_t block_stride = int64_t(a.KVH) * BS * D, head_off = h * int64_t(BS) * D;
   const KT* kpool = static_cast<const KT*>(a.k_pool);
   const KT* vpool = static_cast<const KT*>(a.v_pool);
-  const int64_t kv_end = base + i1;  // positions [0, kv_end) are visible to some row
-  for (int64_t p0 = 0; p0 < kv_end; p0 += kTK) {
+  const int64_t kv_end = base + i1;  // positions [kv_start, kv_end) are visible to some row
+  const int64_t kv_start = window_start(base + i0, a.window) / kTK * kTK;
+  for (int64_t p0 = kv_start; p0 < kv_end; p0 += kTK) {
     const int nk = int(std::min<int64_t>(kTK, kv_end - p0));
     for (int c = 0; c < kTK / W; ++c) {  // kt[d][c W ..] = the chunk's keys, float32
       const int64_t p = p0 + c * W;
@@ -196,7 +215,7 @@ void prefill(const AttnArgs& a, int64_t seq, int64_t h, int64_t i0, int64_t i1, 
       const int64_t p = p0 + j;
       convert_row(vpool + table[p / BS] * block_stride + head_off + (p % BS) * D, vt + j * DP, D);
     }
-    s_rows(qs, R, DP, kt, D, s, ms, ls, alphas, TileView{nk, G, base + i0 - p0 + 1});
+    s_rows(qs, R, DP, kt, D, s, ms, ls, alphas, TileView{nk, G, base + i0 - p0 + 1, a.window, a.softcap});
     o_rows(o, R, DP, s, alphas, vt, nk);
   }
 

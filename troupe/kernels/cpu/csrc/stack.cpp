@@ -34,7 +34,7 @@ struct Ops {
       rope_and_cache;
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                                int64_t)>
+                                int64_t, int64_t, double)>
       paged_attention;
 };
 
@@ -54,7 +54,7 @@ const Ops& ops() {
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                 const Tensor&, const Tensor&)>("troupe_fused::rope_and_cache"),
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t)>(
+                const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t, int64_t, double)>(
           "troupe_attention::paged_attention"),
   };
   return o;
@@ -105,7 +105,7 @@ std::tuple<Tensor, Tensor> decoder_stack(
     const Tensor v = parts[2].reshape({T, num_kv_heads, head_dim});
     o.rope_and_cache.call(positions, q, k, v, rope, k_pools[l], v_pools[l], slot_mapping);
     o.paged_attention.call(q, k_pools[l], v_pools[l], block_tables, seq_lens, query_start_loc, items, merges,
-                           scratch, attn_out, scale, threads);
+                           scratch, attn_out, scale, threads, /*window=*/0, /*softcap=*/0.0);
     const Tensor attn = project(attn_out.reshape({T, q_size}), 4 * l + 1);
     o.add_rms_norm_.call(attn, residual, post_norms[l], eps);
     x = project(o.silu_and_mul.call(project(attn, 4 * l + 2)), 4 * l + 3);
