@@ -57,13 +57,8 @@ class DecoderLayer(nn.Module):
         self.arch = arch
         self.index = index  # which layer: a kernel set may keep per-layer state (e.g. decode rows)
         self.scale = arch.scale
-        self.window = arch.window(index)
-        extra: dict[str, float | int] = {}  # attention features, only where set (kernel sets without them)
-        if self.window is not None:
-            extra["sliding_window"] = self.window
-        if arch.attn_softcap is not None:
-            extra["softcap"] = float(arch.attn_softcap)
-        self.attention_features = extra
+        self.window = arch.window(index)  # sliding window (None: full causal)
+        self.softcap = float(arch.attn_softcap) if arch.attn_softcap is not None else None
         layout = arch.norm_layout
         # pre: input_norm before attention, post_norm before the MLP; post (OLMo 2): post_norm after
         # attention, post_ff_norm after the MLP; sandwich (Gemma): all four
@@ -89,7 +84,9 @@ class DecoderLayer(nn.Module):
         self.down: LinearOp = _unbound
 
     def bind(self, ops: KernelSet) -> None:
-        """Hand the loaded projections to the kernel set (which may take their storage over)."""
+        """Hand the loaded projections to the kernel set (which may take their storage over); its attention
+        must have this layer's features (a sliding window, soft-capping)."""
+        ops.check_attention_options(self.window, self.softcap)
         self.ops = ops
         self.qkv = bind_linear(ops, self.qkv_w, self.qkv_b)
         self.o_proj = bind_linear(ops, self.o_w, self.o_b)
@@ -136,7 +133,7 @@ class DecoderLayer(nn.Module):
         q, k = ops.rope_and_cache(positions, q, k, v, rope, kv, meta)
         # attention runs for every token even so: a kernel set may keep per-layer state in it (the eager
         # set's decode rows), and a prefill's attention is a few percent of its projections
-        o = ops.attention(q, k, v, kv, meta, self.scale, self.index, **self.attention_features)
+        o = ops.attention(q, k, v, kv, meta, self.scale, self.index, sliding_window=self.window, softcap=self.softcap)
         o = o.reshape(T, a.q_size)  # (T, H * D)
         if rows is not None:
             if len(rows) == 0:  # K/V written; no token's output is wanted

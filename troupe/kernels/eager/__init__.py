@@ -79,11 +79,11 @@ class EagerKernels(KernelSet):
     def rope_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rope_cache: torch.Tensor, kv: LayerKV, meta: EagerMetadata,  # type: ignore[override]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        if meta.rope is None:  # the same for every layer: gathered once per step
-            half = q.shape[-1] // 2
+        if meta.rope is None or meta.rope[0] is not rope_cache:  # gathered once per step and table (a model
+            half = q.shape[-1] // 2  # may have two: Gemma 3's sliding layers have their own)
             table = rope_cache[positions].to(q.dtype)  # (T, D)
-            meta.rope = table[:, None, :half], table[:, None, half:]  # (T, 1, D/2) each
-        cos, sin = meta.rope
+            meta.rope = (rope_cache, table[:, None, :half], table[:, None, half:])  # (T, 1, D/2) each
+        _, cos, sin = meta.rope
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         _, _, KVH, D = kv[0].shape
         kv[0].view(-1, KVH, D).index_copy_(0, meta.slot_mapping, k)

@@ -45,7 +45,8 @@ class EagerMetadata(AttentionMetadata):
     rows: DecodeRows | None = None  # the decodes' row cache; None: decodes gather from the pool
     plan: _TorchPlan | None = field(default=None, repr=False)  # attention indices, built on first use
     plans: dict[int, _TorchPlan] = field(default_factory=dict, repr=False)  # the same per sliding window
-    rope: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (cos, sin) (T, 1, D/2)
+    # (the table they came from, cos, sin (T, 1, D/2)): the last gathered, reused while layers share the table
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
 
 ROW_GROUP = 8  # decode rows attend in groups of this many rows, each group only up to its longest context
