@@ -37,7 +37,9 @@ SERVE_STEP_TOKENS = 512
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="a Hugging Face style folder, a .gguf file, or the default model's name")
+                   help="a Hugging Face style folder, a .gguf file, a Hugging Face Hub id (org/name: the local "
+                        "cache first, then a download unless HF_HUB_OFFLINE is set), or the default model's name")
+    g.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs; auto: CUDA when torch sees a GPU")
@@ -96,7 +98,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+    return dict(model=args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization, device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

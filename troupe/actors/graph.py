@@ -117,7 +117,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         self.engines = [make_engine_side(self.config, inbox, outbox, make_core=self._make_core, engine_index=rank)
                         for rank, (inbox, outbox) in enumerate(streams.engine_ends())]
         tokenizer = TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
-        tg.start_soon(tokenizer.load, self.config.model)
+        tg.start_soon(tokenizer.load, self.config.model, self.config.revision)
         several = len(self.engines) > 1
 
         async def start(rank: int, side: EngineSide) -> None:

@@ -62,12 +62,12 @@ class TokenizerPrefetch:
         self._model = ""
         self._tokenizer: Any = None
 
-    async def load(self, model: str) -> None:
+    async def load(self, model: str, revision: str | None = None) -> None:
         self._model = model
         try:
             # not abandoned on cancel: a start that fails waits for this thread, so no thread of ours is
             # left importing transformers in the caller's process (a racing import there sees it half done)
-            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model)
+            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model, revision)
         except Exception:  # the engine reports the real problem (or get() raises it again)
             pass
         finally:
@@ -84,6 +84,6 @@ class TokenizerPrefetch:
         return await anyio.to_thread.run_sync(load_tokenizer, model_path)
 
 
-def _resolve_and_load(model: str) -> tuple[str, Any]:
-    path = str(resolve_model_path(model))
+def _resolve_and_load(model: str, revision: str | None) -> tuple[str, Any]:
+    path = str(resolve_model_path(model, revision))
     return path, load_tokenizer(path)

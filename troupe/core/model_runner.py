@@ -65,7 +65,7 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision)
         self.null_model = config.null_model
         self.device = resolve_device(config)
         dtype = resolve_dtype(model_dtype(config, self.device), self.model_path)

