@@ -10,7 +10,6 @@ of 5 to 70 tokens, and windows of 16, so several prompts are longer than the sli
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,8 @@ import torch
 from troupe.config import EngineConfig
 from troupe.core.engine_core import EngineCore
 from troupe.messages import AddRequest
-from troupe.models.default_model import find_default_gguf
-from troupe.models.gguf_tokenizer import TOKENIZER_FILES, tokenizer_folder
 from troupe.sampling_params import SamplingParams
+from troupe.testing.models import make_transformers_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -75,26 +73,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def build(name: str, folder: Path) -> Path:
     """The tiny `name` model as an HF folder (weights drawn with a fixed seed; see the module docstring)."""
-    import transformers
-
     cls, extra = FAMILIES[name]
-    config = getattr(transformers, cls)(**{**SMALL, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in pname:  # around the norm's neutral value (Gemma's is 0: 1 + w)
-                neutral = 0.0 if "gemma" in cls.lower() else 1.0
-                p.copy_(neutral + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(folder)
-    src = tokenizer_folder(find_default_gguf())
-    for fname in TOKENIZER_FILES:
-        if (src / fname).is_file():
-            shutil.copyfile(src / fname, folder / fname)
-    return folder
+    return make_transformers_model(folder, cls, **{**SMALL, **extra})
 
 
 def hf_greedy(folder: Path, batch: list[list[int]]) -> list[list[int]]:

@@ -232,3 +232,31 @@ def _llama3_rope_factors(head_dim: int, theta: float, sc: dict[str, Any]) -> Any
             smooth = (old / wavelen - lo) / (hi - lo)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
+
+
+def make_transformers_model(path: str | Path, config_class: str, seed: int = 1, **config: Any) -> Path:
+    """A tiny random-weight model of any family transformers knows, as an HF folder at `path` with the
+    default model's tokenizer files: `config_class` (e.g. "Qwen3Config") built with `config`, every weight
+    drawn from N(0, 0.1) with `seed` (norms around their neutral value: 1, or 0 for Gemma's (1 + w)), saved
+    by transformers itself. Imports transformers (seconds); `make_tiny_model` does not."""
+    import torch
+    import transformers
+
+    cfg = getattr(transformers, config_class)(**config)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    neutral = 0.0 if "gemma" in config_class.lower() else 1.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(neutral + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    out = Path(path)
+    model.save_pretrained(out)
+    src = tokenizer_folder(find_default_gguf())
+    for fname in TOKENIZER_FILES:
+        if (src / fname).is_file():
+            shutil.copyfile(src / fname, out / fname)
+    return out

@@ -1,0 +1,49 @@
+"""Model families on the `cuda` kernel set under the Triton interpreter (`kernels="cuda", device="cpu"`):
+a tiny Gemma 2 (sliding window on one layer, attention and final soft-capping, sandwich norms, GELU-tanh)
+and a tiny Qwen3 (q/k head norms) generate the eager set's greedy tokens, which tests/models/test_families.py
+checks against transformers. Kept small: the interpreter runs each program in Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from troupe.config import EngineConfig
+from troupe.core.engine_core import EngineCore
+from troupe.messages import AddRequest
+from troupe.sampling_params import SamplingParams
+from troupe.testing.models import make_transformers_model
+
+SMALL = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0)
+MODELS = {
+    "gemma2": ("Gemma2Config", dict(sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=5.0)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+}
+PROMPTS = [[(5 * i + n) % 3000 + 10 for i in range(n)] for n in (4, 11)]  # the second runs past the window of 6
+
+
+def greedy(folder: Path, kernels: str) -> list[list[int]]:
+    core = EngineCore(EngineConfig(model=str(folder), dtype="float32", kernels=kernels, device="cpu", block_size=4,
+                                   num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=8, num_threads=1,
+                                   enforce_eager=True))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        core.add_request(AddRequest(f"r{i}", p, params, 3))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_family_on_the_cuda_set_generates_the_eager_tokens(name: str, tmp_path: Path, device: torch.device) -> None:
+    cls, extra = MODELS[name]
+    folder = make_transformers_model(tmp_path / name, cls, **{**SMALL, **extra})
+    want = greedy(folder, "eager")
+    assert greedy(folder, "cuda") == want and all(len(t) == 3 for t in want)
