@@ -6,8 +6,8 @@ prefill/decode steps happen; 32 new tokens each. Every sequence must equal HF's 
 at its first divergence, each side's token must be in the other's top-5 (the near-tie rule of
 vLLM's own tests); at least 90% must be exactly equal. The same holds with tiny blocks and a
 64-token budget, with a KV pool small enough to force preemption, and with prefix caching on a
-shared system prompt. Each runs with the eager kernel set and with the compiled cpu set in its default
-configuration (float16 KV pool).
+shared system prompt. Each runs with the compiled cpu set in its default configuration (float16 KV
+pool); the default chunks also with the eager kernel set.
 """
 
 from __future__ import annotations
@@ -188,19 +188,17 @@ def oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
 BASE = dict(dtype="float32", max_model_len=2048, num_threads=CORES)
 
 
-@pytest.fixture(params=["eager", "cpu"])
-def kernels(request: pytest.FixtureRequest) -> str:
-    """The kernel set under test (the cpu set with its default float16 pool)."""
-    return request.param
+DEFAULT_CHUNKS = dict(max_num_batched_tokens=512, block_size=16, num_kv_blocks=512)
+BLOCK4 = dict(max_num_batched_tokens=64, block_size=4, num_kv_blocks=2048)
 
 
+# The scheduling variants (tiny blocks and budget, preemption, prefix caching) decide which tokens each
+# step computes, the same for every kernel set: they run on the cpu set (the default); the eager set runs
+# the default chunks (its attention with small blocks and mixed steps: tests/kernels, tests/models).
 @pytest.mark.parametrize(
-    "options",
-    [
-        dict(max_num_batched_tokens=512, block_size=16, num_kv_blocks=512),
-        dict(max_num_batched_tokens=64, block_size=4, num_kv_blocks=2048),
-    ],
-    ids=["default-chunks", "block4-budget64"],
+    ("options", "kernels"),
+    [(DEFAULT_CHUNKS, "eager"), (DEFAULT_CHUNKS, "cpu"), (BLOCK4, "cpu")],
+    ids=["eager-default-chunks", "cpu-default-chunks", "cpu-block4-budget64"],
 )
 def test_greedy_equals_transformers(oracle: Oracle, prompts: list[list[int]], options: dict[str, Any],
                                     kernels: str) -> None:
@@ -211,6 +209,7 @@ def test_greedy_equals_transformers(oracle: Oracle, prompts: list[list[int]], op
     check(oracle, got, core, prompts)
 
 
+@pytest.mark.parametrize("kernels", ["cpu"])
 def test_greedy_equals_transformers_under_preemption(oracle: Oracle, prompts: list[list[int]], kernels: str) -> None:
     """A KV pool too small for all 16 requests forces preemption; the tokens stay the same."""
     # 60 usable blocks of 16 = 960 tokens, against ~2,700 needed by all requests together
@@ -227,6 +226,7 @@ def shared_prompts(model_dir: Any) -> tuple[list[list[int]], Oracle]:
     return shared, hf_oracle(model_dir, shared)
 
 
+@pytest.mark.parametrize("kernels", ["cpu"])
 def test_greedy_equals_transformers_with_prefix_caching(model_dir: Any, shared_prompts: tuple[list[list[int]], Oracle],
                                                         kernels: str) -> None:
     """Requests sharing a long system prompt hit the prefix cache and still match HF."""
