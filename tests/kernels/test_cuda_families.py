@@ -1,6 +1,6 @@
 """Model families on the `cuda` kernel set under the Triton interpreter (`kernels="cuda", device="cpu"`):
 a tiny Gemma 2 (sliding window on one layer, attention and final soft-capping, sandwich norms, GELU-tanh)
-and a tiny Qwen3 (q/k head norms) generate the eager set's greedy tokens, which tests/models/test_families.py
+a tiny Qwen3 (q/k head norms) and a tiny Qwen2-MoE (8 experts, top-2, a gated shared expert) generate the eager set's greedy tokens, which tests/models/test_families.py
 checks against transformers. Kept small: the interpreter runs each program in Python."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ MODELS = {
     "gemma2": ("Gemma2Config", dict(sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                     final_logit_softcapping=5.0)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64)),
 }
 PROMPTS = [[(5 * i + n) % 3000 + 10 for i in range(n)] for n in (4, 11)]  # the second runs past the window of 6
 

@@ -64,6 +64,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                "rope_theta": 1000000.0}})),
+    # mixtures of experts: 8 experts, top-2 (Qwen2-MoE with its gated shared expert; Qwen3-MoE's second layer dense)
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=96, norm_topk_prob=False)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
     "llama-yarn": ("LlamaConfig", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                         "original_max_position_embeddings": 128})),
     "llama-dynamic": ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,

@@ -63,6 +63,16 @@ class ModelArch:
     local_rope: Rope | None = None  # the rotary embedding of the sliding layers, where it differs (Gemma 3)
     rotary_dim: int = 0  # dims of each head the rotary embedding turns; 0: all (head_dim)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of a sparse layer is `num_experts` experts of
+    # `moe_intermediate_size`, `experts_per_token` of them per token (softmax top-k router, renormalized with
+    # `norm_topk_prob`), plus on Qwen2-MoE a shared expert of `intermediate_size` behind a sigmoid gate
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert: bool = False
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense in a MoE model (Qwen's mlp_only_layers)
+    expert_naming: str = "qwen"  # checkpoint names: "qwen" (mlp.experts.E.gate_proj) or "mixtral" (w1/w3/w2)
 
     @property
     def q_size(self) -> int:
@@ -83,7 +93,10 @@ class ModelArch:
                 and self.embed_scale == 1.0 and self.residual_scale == 1.0 and self.attn_scale is None
                 and self.logit_scale == 1.0 and self.attn_softcap is None and self.final_softcap is None
                 and not any(self.layer_windows) and self.local_rope is None
-                and self.rotary_dim in (0, self.head_dim))
+                and self.rotary_dim in (0, self.head_dim) and not self.num_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

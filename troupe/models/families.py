@@ -111,6 +111,43 @@ def gemma3(cfg: dict[str, Any], base: dict[str, Any], where: str) -> dict[str, A
     return fields
 
 
+def _experts(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if n < 1 or not 0 < k <= n:
+        raise ModelLoadError(f"{where}: a mixture of experts needs num_experts >= 1 and 1 <= num_experts_per_tok <= "
+                             f"num_experts, got {n} and {k}")
+    return {"num_experts": n, "experts_per_token": k}
+
+
+def mixtral(cfg: dict[str, Any], base: dict[str, Any], where: str) -> dict[str, Any]:
+    return {**mistral(cfg, base, where), **_experts(cfg, where), "moe_intermediate_size": base["intermediate_size"],
+            "norm_topk_prob": True, "expert_naming": "mixtral"}
+
+
+def _qwen_moe(cfg: dict[str, Any], base: dict[str, Any], where: str) -> dict[str, Any]:
+    n = base["num_layers"]
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or [])
+    dense = tuple(i for i in range(n) if i in only or (i + 1) % step != 0)
+    return {**_experts(cfg, where), "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "dense_layers": dense}
+
+
+def qwen2_moe(cfg: dict[str, Any], base: dict[str, Any], where: str) -> dict[str, Any]:
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    fields = {**qwen2(cfg, base, where), **_qwen_moe(cfg, base, where)}
+    if shared:  # the shared expert is the layer's dense MLP (of its own size) behind a gate
+        if fields["dense_layers"] and shared != base["intermediate_size"]:
+            raise ModelLoadError(f"{where}: dense layers and a shared expert of another size are not supported")
+        fields.update(shared_expert=True, intermediate_size=shared)
+    return fields
+
+
+def qwen3_moe(cfg: dict[str, Any], base: dict[str, Any], where: str) -> dict[str, Any]:
+    return {**qwen3(cfg, base, where), **_qwen_moe(cfg, base, where)}
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": llama,
     "MistralForCausalLM": mistral,
@@ -121,4 +158,7 @@ FAMILIES: dict[str, Family] = {
     "Phi3ForCausalLM": phi3,
     "Gemma2ForCausalLM": gemma2,
     "Gemma3ForCausalLM": gemma3,
+    "MixtralForCausalLM": mixtral,
+    "Qwen2MoeForCausalLM": qwen2_moe,
+    "Qwen3MoeForCausalLM": qwen3_moe,
 }

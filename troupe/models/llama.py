@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.kernels.base import AttentionMetadata, DecoderStack, KernelSet, LayerKV, LayerWeights, LinearOp
+from troupe.kernels.moe import MoeOp, route
 from troupe.kernels.quant import QuantizedTensor, Weight, dense
 from troupe.models.arch import ModelArch
 from troupe.models.rope import partial_rotary_order, rope_table
@@ -74,10 +75,21 @@ class DecoderLayer(nn.Module):
         self.qkv_b = _bias(arch.qkv_bias, qkv, dtype)
         self.o_w = _param(h, arch.q_size, dtype=dtype)
         self.o_b = _bias(arch.o_bias, h, dtype)
-        self.gate_up_w = _param(2 * f, h, dtype=dtype)
-        self.gate_up_b = _bias(arch.mlp_bias, 2 * f, dtype)
-        self.down_w = _param(h, f, dtype=dtype)
-        self.down_b = _bias(arch.mlp_bias, h, dtype)
+        self.moe = arch.is_moe_layer(index)
+        dense_mlp = not self.moe or arch.shared_expert  # a dense MLP, or Qwen2-MoE's shared expert
+        self.gate_up_w = _param(2 * f, h, dtype=dtype) if dense_mlp else None
+        self.gate_up_b = _bias(arch.mlp_bias, 2 * f, dtype) if dense_mlp else None
+        self.down_w = _param(h, f, dtype=dtype) if dense_mlp else None
+        self.down_b = _bias(arch.mlp_bias, h, dtype) if dense_mlp else None
+        if self.moe:
+            E, fe = arch.num_experts, arch.moe_intermediate_size
+            self.router_w = _param(E, h, dtype=dtype)
+            self.experts_gate_up = nn.ParameterList(_param(2 * fe, h, dtype=dtype) for _ in range(E))
+            self.experts_down = nn.ParameterList(_param(h, fe, dtype=dtype) for _ in range(E))
+            self.shared_gate_w = _param(1, h, dtype=dtype) if arch.shared_expert else None
+        self.router: LinearOp = _unbound
+        self.shared_gate: LinearOp = _unbound
+        self.experts: MoeOp = _unbound_moe
         self.qkv: LinearOp = _unbound
         self.o_proj: LinearOp = _unbound
         self.gate_up: LinearOp = _unbound
@@ -90,8 +102,33 @@ class DecoderLayer(nn.Module):
         self.ops = ops
         self.qkv = bind_linear(ops, self.qkv_w, self.qkv_b)
         self.o_proj = bind_linear(ops, self.o_w, self.o_b)
-        self.gate_up = bind_linear(ops, self.gate_up_w, self.gate_up_b)
-        self.down = bind_linear(ops, self.down_w, self.down_b)
+        if self.gate_up_w is not None and self.down_w is not None:
+            self.gate_up = bind_linear(ops, self.gate_up_w, self.gate_up_b)
+            self.down = bind_linear(ops, self.down_w, self.down_b)
+        if self.moe:
+            self.router = ops.linear(self.router_w)
+            self.experts = ops.moe(list(self.experts_gate_up), list(self.experts_down))
+            if self.shared_gate_w is not None:
+                self.shared_gate = ops.linear(self.shared_gate_w)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The dense MLP: (M, hidden) -> (M, hidden)."""
+        gate_up = self.gate_up(h)  # (M, 2f)
+        if self.arch.hidden_act == "silu":
+            act = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        return self.down(act)  # (M, hidden)
+
+    def _moe(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts (troupe.kernels.moe), plus the gated shared expert where the model has one."""
+        a = self.arch
+        weights, ids = route(self.router(h), a.experts_per_token, a.norm_topk_prob)  # (M, k) each
+        out = self.experts(h, ids, weights)  # (M, hidden)
+        if a.shared_expert:
+            out = out + torch.sigmoid(self.shared_gate(h)) * self._mlp(h)
+        return out
 
     def forward(
         self,
@@ -148,13 +185,7 @@ class DecoderLayer(nn.Module):
             h, residual = ops.add_rms_norm(ops.rms_norm(attn, self.post_norm, eps), residual, _given(self.pre_ff_norm), eps)
         else:
             h = residual = ops.rms_norm(attn, self.post_norm, eps) + residual
-        gate_up = self.gate_up(h)  # (T or N, 2f)
-        if a.hidden_act == "silu":
-            act = ops.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") * up
-        out = self.down(act)  # (T or N, hidden)
+        out = self._moe(h) if self.moe else self._mlp(h)  # (T or N, hidden)
         if a.residual_scale != 1.0:
             out = out * a.residual_scale
         if self.post_ff_norm is not None:
@@ -294,6 +325,10 @@ def _unbound(x: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("the model is not bound to a kernel set yet (LlamaModel.bind)")
 
 
+def _unbound_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("the model is not bound to a kernel set yet (LlamaModel.bind)")
+
+
 def set_weight(module: nn.Module, name: str, parts: list[Weight]) -> None:
     """Fill the weight `name` of `module` from its row parts (q, k, v / gate, up / one): dense parts are
     concatenated into the float parameter; with a quantized part, the parameter is replaced by the parts
@@ -375,6 +410,11 @@ def _load_layer(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) ->
     set_weight(layer, "o_w", [get(att + "o_proj.weight", (h, a.q_size))])
     if layer.o_b is not None:
         layer.o_b.copy_(dense(get(att + "o_proj.bias", (h,))))
+    if layer.moe:
+        _load_experts(layer, p, a, get)
+        if not a.shared_expert:
+            return
+        mlp = mlp + "shared_expert."
     if a.fused_checkpoint:
         set_weight(layer, "gate_up_w", [get(mlp + "gate_up_proj.weight", (2 * f, h))])
     else:
@@ -384,6 +424,22 @@ def _load_layer(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) ->
         layer.gate_up_b.copy_(torch.cat([dense(get(mlp + "gate_proj.bias", (f,))),
                                          dense(get(mlp + "up_proj.bias", (f,)))]))
         layer.down_b.copy_(dense(get(mlp + "down_proj.bias", (h,))))
+
+
+def _load_experts(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) -> None:
+    """The router, each expert's gate|up and down, and a shared expert's gate, under the family's names."""
+    h, fe = a.hidden_size, a.moe_intermediate_size
+    block = p + ("block_sparse_moe." if a.expert_naming == "mixtral" else "mlp.")
+    names = ("w1", "w3", "w2") if a.expert_naming == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    layer.router_w.copy_(dense(get(block + "gate.weight", (a.num_experts, h))))
+    for e in range(a.num_experts):
+        ex = f"{block}experts.{e}."
+        gate, up, down = (get(f"{ex}{n}.weight", shape) for n, shape in zip(names, ((fe, h), (fe, h), (h, fe)),
+                                                                                strict=True))
+        set_weight(layer.experts_gate_up, str(e), [gate, up])
+        set_weight(layer.experts_down, str(e), [down])
+    if layer.shared_gate_w is not None:
+        layer.shared_gate_w.copy_(dense(get(p + "mlp.shared_expert_gate.weight", (1, h))))
 
 
 def _rotary_rows(a: ModelArch) -> torch.Tensor | None:
