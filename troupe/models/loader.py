@@ -223,16 +223,14 @@ def load_model(
                                         f"{info.dtype} (use dtype 'auto' / 'float32', or quantization='dequantize')")
             model = LlamaModel(info.arch, info.dtype, max_len=check_max_model_len(max_len, info))
             requested: set[str] = set()
-            gguf_get = gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize").get
+            file_weights = gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize")
 
             def get(name: str, shape: tuple[int, ...]) -> Weight:
                 requested.add(name)
-                return gguf_get(name, shape)
+                return file_weights.get(name, shape)
 
             model.load_weights(get)
-            # rope_freqs (Llama 3's rope scaling) went into the arch (`gguf_arch`)
-            unused = [n for n in f.tensors if gguf.hf_name(n) not in requested and n != "rope_freqs.weight"]
-            check_unused(sorted(unused), str(path), lambda name: None)
+            check_unused(file_weights.unused(requested), str(path), lambda name: None)
     else:
         info = read_model_info(path, dtype)
         model = LlamaModel(info.arch, info.dtype, max_len=check_max_model_len(max_len, info))
