@@ -300,3 +300,15 @@ def test_unsupported_layouts_are_refused() -> None:
              "llama.rope.dimension_count": 8}
     with pytest.raises(ModelLoadError, match="partial rotary"):
         gguf_config(llama, set())
+
+
+def test_gemma3_context_is_not_stretched_by_its_rope_scaling(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 3's context_length already is the scaled length (vLLM does not multiply it by the linear factor):
+    the model's max_model_len is the file's context_length, not 4 times it."""
+    from troupe.models.loader import read_model_info
+
+    path = built("gemma3-Q8_0", tmp_path_factory)[0]
+    with GGUFFile(path) as f:
+        assert f.metadata["gemma3.rope.scaling.factor"] == 4.0
+        stated = f.metadata["gemma3.context_length"]
+    assert read_model_info(path).max_model_len == stated
