@@ -47,6 +47,9 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fact
 CASES: dict[str, tuple[str, str, dict[str, Any], str, list[list[int]]]] = {
     "qwen3-F32": ("qwen3", "Qwen3Config", dict(head_dim=32), "F32", WINDOWED),  # q is 128 wide, hidden 64
     "qwen3-Q8_0": ("qwen3", "Qwen3Config", {}, "Q8_0", WINDOWED),
+    "qwen3-yarn-F32": ("qwen3", "Qwen3Config", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 4.0}), "F32", WINDOWED),
     "gemma2-F32": ("gemma2", "Gemma2Config", dict(sliding_window=16, query_pre_attn_scalar=16,
                                                   attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                                                   tie_word_embeddings=True), "F32", WINDOWED),
@@ -102,6 +105,11 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
         writer.add_value_length(cfg.head_dim)
     if arch == "qwen3":
         writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "yarn":  # convert_hf_to_gguf's TextModel.set_gguf_parameters
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -119,6 +127,7 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
         writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings or cfg.max_position_embeddings)
         writer.add_sliding_window(cfg.sliding_window or 0)
         if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
             scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
             writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(
                 cfg.original_max_position_embeddings))))
@@ -285,6 +294,21 @@ def test_longrope_needs_its_original_context_and_both_factors() -> None:
         gguf_config(no_ctx, both)
     with pytest.raises(ModelLoadError, match="rope_factors_long.weight' without its pair"):
         gguf_config(meta, both - {"rope_factors_short.weight"})
+    with pytest.raises(ModelLoadError, match="'longrope' without the rope_factors_long / rope_factors_short"):
+        gguf_config({**meta, "phi3.rope.scaling.type": "longrope"}, {"token_embd.weight"})
+
+
+@pytest.mark.parametrize(("key", "value"), [("yarn_log_multiplier", 0.1), ("yarn_attn_factor", 1.2),
+                                            ("yarn_ext_factor", 0.5)])
+def test_yarn_beyond_transformers_is_refused(key: str, value: float) -> None:
+    """llama.cpp's YaRN knobs that transformers' yarn has no place for are ModelLoadErrors naming the key."""
+    meta = {"general.architecture": "qwen3", "qwen3.embedding_length": 64, "qwen3.attention.head_count": 4,
+            "qwen3.feed_forward_length": 128, "qwen3.block_count": 2, "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+            "qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
+            "qwen3.rope.scaling.original_context_length": 128}
+    assert gguf_config(meta, set())["rope_scaling"]["rope_type"] == "yarn"
+    with pytest.raises(ModelLoadError, match=f"rope.scaling.{key}"):
+        gguf_config({**meta, f"qwen3.rope.scaling.{key}": value}, set())
 
 
 def test_unsupported_layouts_are_refused() -> None:

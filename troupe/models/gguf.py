@@ -86,14 +86,14 @@ def gguf_arch(file: GGUFFile) -> tuple[dict[str, Any], ModelArch]:
     """(HF config dict, checked `ModelArch`) of an open GGUF file (see the module docstring, 2)."""
     where = str(file.path)
     cfg = gguf_config(file.metadata, set(file.tensors), where)
-    if "rope_factors_long.weight" in file.tensors:  # Phi-3 longrope (gguf_config checked the pair)
+    if "rope_factors_long.weight" in file.tensors:  # longrope (Phi-3; gguf_config checked the pair)
         cfg["rope_scaling"] = {
             "rope_type": "longrope",
             "long_factor": _dense(file, "rope_factors_long.weight").double().tolist(),
             "short_factor": _dense(file, "rope_factors_short.weight").double().tolist(),
             "original_max_position_embeddings": cfg["original_max_position_embeddings"],
         }
-        attn_factor = file.metadata.get("phi3.rope.scaling.attn_factor")
+        attn_factor = file.metadata.get(f"{file.metadata['general.architecture']}.rope.scaling.attn_factor")
         if attn_factor is not None:
             cfg["rope_scaling"]["attention_factor"] = float(attn_factor)
     arch = ModelArch.from_hf_config(cfg, where=where)

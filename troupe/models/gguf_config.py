@@ -63,9 +63,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], where: str = "GGUF
     rotary = int(get("rope.dimension_count") or head_dim)
     if rotary != head_dim and arch in PERMUTED_ARCHITECTURES:
         raise ModelLoadError(f"{where}: partial rotary ({rotary} of {head_dim} dims) is not supported for {arch!r}")
-    scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise ModelLoadError(f"{where}: rope scaling {scaling!r} is not supported (none, linear)")
+    rope_scaling, original = _rope_scaling(get, need, tensor_names, where)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     cfg: dict[str, Any] = {
         "architectures": [architecture],
@@ -81,8 +79,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], where: str = "GGUF
         # GGUF stores eps as float32 (9.9999997e-06): give back the decimal it came from
         "rms_norm_eps": float(f"{need('attention.layer_norm_rms_epsilon'):.6g}"),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rope_scaling": ({"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
-                         if scaling == "linear" else None),
+        "rope_scaling": rope_scaling,  # longrope: None here, the factors are tensors (`gguf.gguf_arch`)
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "vocab_size": int(get("vocab_size") or len(tokens)),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -94,10 +91,44 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], where: str = "GGUF
     }
     if rotary != head_dim:
         cfg["partial_rotary_factor"] = rotary / head_dim
+    if original is not None:
+        cfg["original_max_position_embeddings"] = original
     extra = _FAMILY_CONFIG.get(arch)
     if extra is not None:
         cfg.update(extra(cfg, get, need, tensor_names, where))
     return cfg
+
+
+def _rope_scaling(get: Meta, need: Meta, names: set[str], where: str) -> tuple[dict[str, Any] | None, int | None]:
+    """(HF rope_scaling, original_max_position_embeddings) from `rope.scaling.*`: linear; yarn (its beta
+    keys; llama.cpp's own extrapolation / attention factors and log multiplier are refused, HF's yarn has no
+    place for them); longrope where the `rope_factors_long` / `rope_factors_short` tensors are (written
+    with or without `rope.scaling.type = longrope`)."""
+    scaling = get("rope.scaling.type", "none")
+    factors = {"rope_factors_long.weight", "rope_factors_short.weight"} & names
+    if len(factors) == 1:
+        raise ModelLoadError(f"{where}: {factors.pop()!r} without its pair (longrope needs both)")
+    if factors and scaling in ("none", "longrope"):
+        return None, int(need("rope.scaling.original_context_length"))
+    if scaling == "none":
+        return None, None
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}, None
+    if scaling == "yarn":
+        for key, neutral in (("yarn_ext_factor", (1.0, -1.0)), ("yarn_attn_factor", (1.0,)),
+                             ("yarn_log_multiplier", (0.0,))):
+            if get(f"rope.scaling.{key}") not in (None, *neutral):
+                raise ModelLoadError(f"{where}: rope.scaling.{key} = {get(f'rope.scaling.{key}')} is not supported "
+                                     f"(only {neutral[0]})")
+        original = int(need("rope.scaling.original_context_length"))
+        sc = {"rope_type": "yarn", "factor": float(need("rope.scaling.factor")), "original_max_position_embeddings": original}
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if get(f"rope.scaling.{key}") is not None:
+                sc[hf] = float(get(f"rope.scaling.{key}"))
+        return sc, original
+    if scaling == "longrope":
+        raise ModelLoadError(f"{where}: rope scaling 'longrope' without the rope_factors_long / rope_factors_short tensors")
+    raise ModelLoadError(f"{where}: rope scaling {scaling!r} is not supported (none, linear, yarn, longrope)")
 
 
 def _qwen(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
@@ -105,15 +136,8 @@ def _qwen(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: st
 
 
 def _phi3(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
-    """Phi-3: a sliding window on every layer where the file has one (0: none, Phi-4); longrope where the
-    factor tensors are (their values: `gguf_arch`)."""
-    out: dict[str, Any] = {"sliding_window": int(get("attention.sliding_window", 0)) or None}
-    factors = {"rope_factors_long.weight", "rope_factors_short.weight"} & names
-    if len(factors) == 1:
-        raise ModelLoadError(f"{where}: {factors.pop()!r} without its pair (longrope needs both)")
-    if factors:
-        out["original_max_position_embeddings"] = int(need("rope.scaling.original_context_length"))
-    return out
+    """Phi-3: a sliding window on every layer where the file has one (0: none, Phi-4)."""
+    return {"sliding_window": int(get("attention.sliding_window", 0)) or None}
 
 
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's rule for query_pre_attn_scalar
