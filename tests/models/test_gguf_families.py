@@ -5,7 +5,7 @@ Each model is a tiny random-weight transformers model (as tests/models/test_fami
 written here as a GGUF the way `convert_hf_to_gguf.py` does: tensor names from the gguf package's own map
 (`gguf.get_tensor_name_map`), metadata through `GGUFWriter`'s key writers, Gemma's norm weights stored as
 `1 + w`, Phi-3's fused `attn_qkv` / `ffn_up` and its longrope factors as `rope_factors_long/short`
-tensors, and none of q/k permuted. The quantized variants hold every matrix in Q8_0
+tensors, yarn as `rope.scaling.*` keys, and none of q/k permuted. The quantized variants hold every matrix in Q8_0
 (`gguf.quants.quantize`); transformers then runs on the gguf package's dequantization of those blocks
 (`gguf.quants.dequantize`), so both sides compute with the same values. troupe loads the file (blocks kept)
 through `EngineCore` on the eager and the cpu kernel sets and must give transformers' greedy tokens.
