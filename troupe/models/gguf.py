@@ -1,17 +1,24 @@
 """GGUF models: the architecture from a GGUF file's metadata, and its weights under HF names, kept in their
 block formats (`troupe.kernels.quant.QuantizedTensor`) or expanded to float32.
 
-1. `gguf_config(metadata, tensor_names)` turns llama.cpp's keys (`llama.block_count`, `qwen2.rope.freq_base`,
-   ...) into the HF `config.json` dict the same model would have, so `ModelArch.from_hf_config` checks it
-   like any folder's; Llama 3 files carry their rope scaling as a `rope_freqs` tensor of per-frequency
-   divisors, which `gguf_arch` puts into the arch (`rope_scaling = {"rope_type": "factors", ...}`).
-2. `GGUFWeights.get(hf_name, shape)` finds the GGUF tensor (`blk.3.attn_q.weight` for
-   `model.layers.3.self_attn.q_proj.weight`), checks its shape and returns it: F32 as a float32 tensor,
-   the formats in `QType` as a `QuantizedTensor` of the file's bytes (or, with `dequantize=True`, expanded
-   to float32: the reference mode), any other GGML type expanded by the gguf package with one warning.
-3. llama.cpp's converter permutes the rows of Llama's q and k projections (pairs interleaved per head, for
+1. `gguf_config(metadata, tensor_names)` (`troupe.models.gguf_config`) turns llama.cpp's keys into the HF
+   `config.json` dict the same model would have, so `ModelArch.from_hf_config` checks it like any folder's
+   (GGUF architectures `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`).
+2. `gguf_arch(file)` adds what only the tensors say: Llama 3's rope scaling as a `rope_freqs` tensor of
+   per-frequency divisors (`rope_scaling = {"rope_type": "factors", ...}`), Phi-3's longrope factors
+   (`rope_factors_long` / `rope_factors_short`); and two facts of llama.cpp's layout: Gemma's norm weights
+   already hold the `1 +` of Gemma's RMSNorm (the converter adds it), so the arch's `norm_offset` is 0;
+   Phi-3's fused projections are served split (`fused_checkpoint` off, below).
+3. `GGUFWeights.get(hf_name, shape)` finds the GGUF tensor (`blk.3.attn_q.weight` for
+   `model.layers.3.self_attn.q_proj.weight`; the names per architecture in `layer_names`), checks its shape
+   and returns it: F32 as a float32 tensor, the formats in `QType` as a `QuantizedTensor` of the file's bytes
+   (or, with `dequantize=True`, expanded to float32: the reference mode), any other GGML type expanded by
+   the gguf package with one warning. A fused `attn_qkv` (Phi-3) is served as q/k/v and a fused `ffn_up`
+   without an `ffn_gate` as gate/up (its first and second half), row slices of the blocks.
+4. llama.cpp's converter permutes the rows of Llama's q and k projections (pairs interleaved per head, for
    its rotary); `get` undoes it, for a quantized weight by moving whole block rows (nothing is expanded).
-   Qwen2 files are not permuted (llama.cpp rotates them in the HF layout).
+   The other architectures are not permuted (llama.cpp rotates them in the HF layout). A partial rotary
+   embedding (Phi-4-mini) gets q and k expanded to float32: the model reorders their rows per head.
 """
 
 from __future__ import annotations
@@ -27,13 +34,13 @@ import torch
 from troupe.errors import ModelLoadError
 from troupe.kernels.quant import QType, QuantizedTensor, Weight
 from troupe.models.arch import ModelArch
+from troupe.models.gguf_config import GEMMA_ARCHITECTURES, PERMUTED_ARCHITECTURES, gguf_config
 from troupe.models.gguf_file import GGUFFile
 
 log = structlog.get_logger("troupe.models")
 
 KEPT_TYPES = frozenset(int(q) for q in QType)  # GGML types a weight stays in
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's converter interleaves their q/k rows
+ARCH_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # read into the arch
 
 LAYER_NAMES = {  # GGUF block tensor -> HF module, under blk.N / model.layers.N
     "attn_norm": "input_layernorm",
@@ -42,9 +49,17 @@ LAYER_NAMES = {  # GGUF block tensor -> HF module, under blk.N / model.layers.N
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+GEMMA_LAYER_NAMES = {  # the sandwich norms: llama.cpp's ffn_norm is the norm before the MLP
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -53,73 +68,39 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
-def hf_name(gguf_name: str) -> str:
+def layer_names(arch: str) -> dict[str, str]:
+    """GGUF block tensor -> HF module of GGUF architecture `arch`."""
+    return GEMMA_LAYER_NAMES if arch in GEMMA_ARCHITECTURES else LAYER_NAMES
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; names outside the map pass through."""
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        return f"model.layers.{layer}.{LAYER_NAMES.get(part, part)}.{suffix}"
+        return f"model.layers.{layer}.{layer_names(arch).get(part, part)}.{suffix}"
     return f"{GLOBAL_NAMES.get(base, base)}.{suffix}"
 
 
-def gguf_config(meta: dict[str, Any], tensor_names: set[str], where: str = "GGUF") -> dict[str, Any]:
-    """The HF config dict of a GGUF file's model (see the module docstring)."""
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{where}: GGUF architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    architecture, model_type = GGUF_ARCHITECTURES[arch]
-    p = f"{arch}."
-
-    def need(key: str) -> Any:
-        if p + key not in meta:
-            raise ModelLoadError(f"{where}: metadata key {p + key!r} is missing")
-        return meta[p + key]
-
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(meta.get(p + "attention.key_length") or hidden // heads)
-    rotary = int(meta.get(p + "rope.dimension_count") or head_dim)
-    if rotary != head_dim:
-        raise ModelLoadError(f"{where}: partial rotary ({rotary} of {head_dim} dims) is not supported")
-    scaling = meta.get(p + "rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise ModelLoadError(f"{where}: rope scaling {scaling!r} is not supported (none, linear)")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    cfg: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(p + "attention.head_count_kv") or heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get(p + "context_length") or 2048),
-        # GGUF stores eps as float32 (9.9999997e-06): give back the decimal it came from
-        "rms_norm_eps": float(f"{need('attention.layer_norm_rms_epsilon'):.6g}"),
-        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
-        "rope_scaling": ({"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
-                         if scaling == "linear" else None),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "vocab_size": int(meta.get(p + "vocab_size") or len(tokens)),
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    if model_type == "qwen2":
-        cfg["use_sliding_window"] = False
-    return cfg
-
-
 def gguf_arch(file: GGUFFile) -> tuple[dict[str, Any], ModelArch]:
-    """(HF config dict, checked `ModelArch`) of an open GGUF file."""
+    """(HF config dict, checked `ModelArch`) of an open GGUF file (see the module docstring, 2)."""
     where = str(file.path)
     cfg = gguf_config(file.metadata, set(file.tensors), where)
+    if "rope_factors_long.weight" in file.tensors:  # longrope (Phi-3; gguf_config checked the pair)
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _dense(file, "rope_factors_long.weight").double().tolist(),
+            "short_factor": _dense(file, "rope_factors_short.weight").double().tolist(),
+            "original_max_position_embeddings": cfg["original_max_position_embeddings"],
+        }
+        attn_factor = file.metadata.get(f"{file.metadata['general.architecture']}.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(attn_factor)
     arch = ModelArch.from_hf_config(cfg, where=where)
+    if file.metadata.get("general.architecture") in GEMMA_ARCHITECTURES:  # the file's norms hold 1 + w
+        arch = dataclasses.replace(arch, norm_offset=0.0)
+    if arch.fused_checkpoint:  # GGUFWeights serves the fused tensors' parts
+        arch = dataclasses.replace(arch, fused_checkpoint=False)
     if "rope_freqs.weight" in file.tensors:  # Llama 3 rope scaling, precomputed by the converter
         factors = _dense(file, "rope_freqs.weight").double()
         if factors.numel() != arch.head_dim // 2:
@@ -134,6 +115,15 @@ def eos_token_ids(meta: dict[str, Any]) -> list[int]:
     return list(dict.fromkeys(int(meta[k]) for k in keys if meta.get(k) is not None))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Source:
+    """Where an HF tensor lives: GGUF tensor `gname`, or its rows `part` of the fused tensor split `split`."""
+
+    gname: str
+    split: tuple[str, ...] = ()  # the fused tensor's parts, in row order ("q", "k", "v" / "gate", "up")
+    part: int = 0
+
+
 class GGUFWeights:
     """HF name -> the file's tensor (see the module docstring); `dequantize=True` expands every one."""
 
@@ -141,24 +131,65 @@ class GGUFWeights:
         self.file = file
         self.arch = arch
         self.dequantize = dequantize
-        self.permuted = file.metadata.get("general.architecture") in PERMUTED_ARCHITECTURES
-        self._names = {hf_name(n): n for n in file.tensors}
+        gguf_arch = str(file.metadata.get("general.architecture"))
+        self.permuted = gguf_arch in PERMUTED_ARCHITECTURES
+        self.dense_qk = arch.rotary_dim not in (0, arch.head_dim)  # the model reorders q/k rows per head
+        self._sources: dict[str, _Source] = {}
+        for n in file.tensors:
+            base, _, suffix = n.rpartition(".")
+            block, _, part = base.rpartition(".")
+            if block.startswith("blk.") and part == "attn_qkv":
+                layer = f"model.layers.{block[4:]}.self_attn."
+                for i, proj in enumerate(("q", "k", "v")):
+                    self._sources[f"{layer}{proj}_proj.{suffix}"] = _Source(n, ("q", "k", "v"), i)
+            elif block.startswith("blk.") and part == "ffn_up" and f"{block}.ffn_gate.{suffix}" not in file.tensors:
+                layer = f"model.layers.{block[4:]}.mlp."
+                for i, proj in enumerate(("gate", "up")):
+                    self._sources[f"{layer}{proj}_proj.{suffix}"] = _Source(n, ("gate", "up"), i)
+            else:
+                self._sources[hf_name(n, gguf_arch)] = _Source(n)
+        self._fused: tuple[str, Weight] | None = None  # the last fused tensor read, for its next parts
         self._warned: set[int] = set()
 
     def get(self, name: str, shape: tuple[int, ...]) -> Weight:
-        if name not in self._names:
+        if name not in self._sources:
             raise ModelLoadError(f"{self.file.path}: tensor for {name!r} is missing")
-        gname = self._names[name]
+        src = self._sources[name]
+        w = self._part(src, shape) if src.split else self._whole(src.gname, shape)
+        is_qk = name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"))
+        if self.permuted and is_qk:
+            heads = self.arch.num_heads if ".q_proj." in name else self.arch.num_kv_heads
+            order = unpermute_order(shape[0], heads)
+            w = w.permute_rows(order) if isinstance(w, QuantizedTensor) else w[order].contiguous()
+        if self.dense_qk and is_qk and isinstance(w, QuantizedTensor):
+            w = w.dequantize()
+        return w
+
+    def unused(self, requested: set[str]) -> list[str]:
+        """The file's tensors that no name in `requested` was read from (those read into the arch aside)."""
+        used = {src.gname for name, src in self._sources.items() if name in requested}
+        return sorted(n for n in self.file.tensors if n not in used and n not in ARCH_TENSORS)
+
+    def _whole(self, gname: str, shape: tuple[int, ...]) -> Weight:
         info = self.file.tensors[gname]
         if info.shape != tuple(shape):
             raise ModelLoadError(f"{self.file.path}: tensor {gname!r} has shape {list(info.shape)}, "
                                  f"the model's metadata implies {list(shape)}")
-        w = self._read(gname)
-        if self.permuted and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            heads = self.arch.num_heads if ".q_proj." in name else self.arch.num_kv_heads
-            order = unpermute_order(shape[0], heads)
-            w = w.permute_rows(order) if isinstance(w, QuantizedTensor) else w[order].contiguous()
-        return w
+        return self._read(gname)
+
+    def _part(self, src: _Source, shape: tuple[int, ...]) -> Weight:
+        """Rows of a fused tensor: q | k | v (q_size, kv_size, kv_size) or gate | up (f, f)."""
+        a = self.arch
+        sizes = [a.q_size, a.kv_size, a.kv_size] if src.split[0] == "q" else [a.intermediate_size] * 2
+        fused = self._fused[1] if self._fused is not None and self._fused[0] == src.gname else None
+        if fused is None:
+            fused = self._whole(src.gname, (sum(sizes), *shape[1:]))
+            self._fused = (src.gname, fused)
+        start = sum(sizes[:src.part])
+        stop = start + sizes[src.part]
+        if isinstance(fused, QuantizedTensor):
+            return QuantizedTensor(fused.qtype, fused.data[start:stop].contiguous(), (stop - start, fused.shape[1]))
+        return fused[start:stop].contiguous()
 
     def _read(self, gname: str) -> Weight:
         info = self.file.tensors[gname]

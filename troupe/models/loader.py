@@ -171,12 +171,13 @@ def derived_max_len(cfg: dict[str, Any], arch: ModelArch) -> int:
     """The model's context length as vLLM derives it (`_get_and_verify_max_len`): max_position_embeddings,
     times the rope scaling factor for the rope types that stretch it (not llama3 / longrope, whose
     max_position_embeddings already is the stretched length; yarn from original_max_position_embeddings).
-    A sliding window bounds what a layer attends to, not the context."""
+    A sliding window bounds what a layer attends to, not the context; nor does Gemma 3's linear scaling
+    (its max_position_embeddings already is the scaled length, as vLLM says)."""
     limit = arch.max_position_embeddings
     sc = arch.rope_scaling or {}
     rope_type = sc.get("rope_type", "default")
     stated = int(cfg.get("max_position_embeddings") or limit)
-    if rope_type in ("default", "llama3", "longrope", "su", "factors"):  # no stretch
+    if rope_type in ("default", "llama3", "longrope", "su", "factors") or "gemma3" in str(cfg.get("model_type")):
         return limit
     base = int(sc["original_max_position_embeddings"]) if rope_type == "yarn" else stated
     return int(base * float(sc.get("factor", 1.0)))
@@ -223,16 +224,14 @@ def load_model(
                                         f"{info.dtype} (use dtype 'auto' / 'float32', or quantization='dequantize')")
             model = LlamaModel(info.arch, info.dtype, max_len=check_max_model_len(max_len, info))
             requested: set[str] = set()
-            gguf_get = gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize").get
+            file_weights = gguf.GGUFWeights(f, info.arch, dequantize=mode == "dequantize")
 
             def get(name: str, shape: tuple[int, ...]) -> Weight:
                 requested.add(name)
-                return gguf_get(name, shape)
+                return file_weights.get(name, shape)
 
             model.load_weights(get)
-            # rope_freqs (Llama 3's rope scaling) went into the arch (`gguf_arch`)
-            unused = [n for n in f.tensors if gguf.hf_name(n) not in requested and n != "rope_freqs.weight"]
-            check_unused(sorted(unused), str(path), lambda name: None)
+            check_unused(file_weights.unused(requested), str(path), lambda name: None)
     else:
         info = read_model_info(path, dtype)
         model = LlamaModel(info.arch, info.dtype, max_len=check_max_model_len(max_len, info))

@@ -1,0 +1,338 @@
+"""GGUF files of Qwen3, Gemma 2, Gemma 3 and Phi-3, written as llama.cpp's converter writes them, against
+transformers on the same weights.
+
+Each model is a tiny random-weight transformers model (as tests/models/test_families.py builds them),
+written here as a GGUF the way `convert_hf_to_gguf.py` does: tensor names from the gguf package's own map
+(`gguf.get_tensor_name_map`), metadata through `GGUFWriter`'s key writers, Gemma's norm weights stored as
+`1 + w`, Phi-3's fused `attn_qkv` / `ffn_up` and its longrope factors as `rope_factors_long/short`
+tensors, yarn as `rope.scaling.*` keys, and none of q/k permuted. The quantized variants hold every matrix in Q8_0
+(`gguf.quants.quantize`); transformers then runs on the gguf package's dequantization of those blocks
+(`gguf.quants.dequantize`), so both sides compute with the same values. troupe loads the file (blocks kept)
+through `EngineCore` on the eager and the cpu kernel sets and must give transformers' greedy tokens.
+
+What llama.cpp does not store, the models here are built to agree with: `query_pre_attn_scalar` equal to
+`head_dim` (llama.cpp's rule below 27B), Gemma 3's sliding pattern of 6 (six layers: one global).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from troupe.config import EngineConfig
+from troupe.core.engine_core import EngineCore
+from troupe.errors import ModelLoadError
+from troupe.kernels.cpu import build
+from troupe.messages import AddRequest
+from troupe.models.default_model import find_default_gguf
+from troupe.models.gguf_config import gguf_config
+from troupe.models.gguf_file import GGUFFile
+from troupe.sampling_params import SamplingParams
+
+NEW_TOKENS = 6
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, tie_word_embeddings=False, rms_norm_eps=1e-6)
+WINDOWED = [[(7 * i + 3 * n) % 4000 + 10 for i in range(n)] for n in (5, 17, 30)]  # windows of 16
+SHORT = [[(5 * i + 2 * n) % 4000 + 10 for i in range(n)] for n in (5, 12, 20)]  # within longrope's 32
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 32, "short_factor": [1.0, 1.1, 1.3, 1.6],
+            "long_factor": [1.0, 2.0, 4.0, 8.0]}
+
+# name: (GGUF architecture, transformers config class, its arguments over SMALL, weight format, prompts)
+CASES: dict[str, tuple[str, str, dict[str, Any], str, list[list[int]]]] = {
+    "qwen3-F32": ("qwen3", "Qwen3Config", dict(head_dim=32), "F32", WINDOWED),  # q is 128 wide, hidden 64
+    "qwen3-Q8_0": ("qwen3", "Qwen3Config", {}, "Q8_0", WINDOWED),
+    "qwen3-yarn-F32": ("qwen3", "Qwen3Config", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 4.0}), "F32", WINDOWED),
+    "gemma2-F32": ("gemma2", "Gemma2Config", dict(sliding_window=16, query_pre_attn_scalar=16,
+                                                  attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                                                  tie_word_embeddings=True), "F32", WINDOWED),
+    "gemma3-Q8_0": ("gemma3", "Gemma3TextConfig", dict(
+        num_hidden_layers=6, sliding_window=16, query_pre_attn_scalar=16, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
+        "Q8_0", WINDOWED),
+    "phi3-Q8_0": ("phi3", "Phi3Config", dict(sliding_window=16), "Q8_0", WINDOWED),
+    "phi3-partial-longrope-F32": ("phi3", "Phi3Config", dict(
+        partial_rotary_factor=0.5, max_position_embeddings=256, original_max_position_embeddings=32,
+        rope_parameters=LONGROPE), "F32", SHORT),
+}
+
+
+def hf_model(name: str) -> Any:
+    """The tiny transformers model of case `name`, weights drawn with a fixed seed (norms around their
+    neutral value: 1, or Gemma's 0 of `1 + w`)."""
+    import transformers
+
+    _, cls, extra, _, _ = CASES[name]
+    config = getattr(transformers, cls)(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in pname:
+                p.copy_((0.0 if "gemma" in cls.lower() else 1.0) + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
+    """`model` as llama.cpp's converter writes it (see the module docstring); in Q8_0, the model's matrices
+    are replaced by the dequantized blocks the file holds."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    writer.add_block_count(layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    if arch in ("qwen3", "gemma2", "gemma3"):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    if arch == "qwen3":
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "yarn":  # convert_hf_to_gguf's TextModel.set_gguf_parameters
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        full = rope["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":
+        partial = float(rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(partial * cfg.hidden_size) // heads)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings or cfg.max_position_embeddings)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(
+                cfg.original_max_position_embeddings))))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    with GGUFFile(find_default_gguf()) as src:
+        meta = src.metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():  # a tied head is the embedding's one parameter
+            gname = names.get_name(pname, try_suffixes=(".weight", ".bias"))
+            assert gname is not None, pname
+            w = p.detach().float().numpy()
+            if arch.startswith("gemma") and pname.endswith("norm.weight"):  # convert_hf_to_gguf: 1 + w
+                w = w + 1
+            if p.ndim == 1 or fmt == "F32":
+                writer.add_tensor(gname, np.ascontiguousarray(w, dtype=np.float32))
+                continue
+            qtype = gguf.GGMLQuantizationType[fmt]
+            raw = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gname, raw, raw_dtype=qtype)
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(p.shape)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def hf_greedy(model: Any, batch: list[list[int]]) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in batch:
+            seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
+
+def troupe_greedy(path: Path, kernels: str, batch: list[list[int]]) -> list[list[int]]:
+    """All prompts in one engine (the file's blocks kept), chunked prefill mixing prefills with decodes."""
+    kv = "float32" if kernels == "cpu" else "auto"
+    core = EngineCore(EngineConfig(model=str(path), dtype="float32", kernels=kernels, kv_cache_dtype=kv,
+                                   num_kv_blocks=64, block_size=4, max_num_batched_tokens=32, num_threads=1))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, p in enumerate(batch):
+        core.add_request(AddRequest(f"r{i}", p, params, NEW_TOKENS))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[f"r{i}"] for i in range(len(batch))]
+
+
+_BUILT: dict[str, tuple[Path, list[list[int]], dict[str, Any]]] = {}
+
+
+def built(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], dict[str, Any]]:
+    """(GGUF file, transformers' greedy tokens on the file's values, the HF config dict) of case `name`,
+    built once a session."""
+    if name not in _BUILT:
+        arch, _, _, fmt, prompts = CASES[name]
+        model = hf_model(name)
+        path = write_gguf(model, arch, fmt, tmp_path_factory.mktemp(name) / "model.gguf")
+        _BUILT[name] = path, hf_greedy(model, prompts), {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    return _BUILT[name]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, list[list[int]]]:
+    path, want, _ = built(request.param, tmp_path_factory)
+    return request.param, path, want
+
+
+def test_gguf_arch_is_the_hf_configs(case: tuple[str, Path, list[list[int]]]) -> None:
+    """The ModelArch read from the GGUF's metadata is the one read from the same model's HF config, but for
+    what llama.cpp's layout changes (Gemma's norms stored as 1 + w: norm_offset 0; Phi-3's fused projections
+    served split: fused_checkpoint off); the rotary tables agree over the whole context (longrope's factors
+    and attention factor come from float32 tensors and keys)."""
+    import dataclasses
+
+    from troupe.models.arch import ModelArch
+    from troupe.models.gguf import gguf_arch
+    from troupe.models.rope import rope_table
+
+    name, path, _ = case
+    want = ModelArch.from_hf_config(_BUILT[name][2])
+    with GGUFFile(path) as f:
+        _, got = gguf_arch(f)
+    n = want.max_position_embeddings
+    torch.testing.assert_close(rope_table(got.rope, got.head_dim, n, n), rope_table(want.rope, want.head_dim, n, n))
+    want = dataclasses.replace(want, norm_offset=0.0, fused_checkpoint=False, rope_scaling=None)
+    assert dataclasses.replace(got, rope_scaling=None) == want
+
+
+@pytest.mark.parametrize("kernels", ["eager", "cpu"])
+def test_gguf_family_greedy_equals_transformers(case: tuple[str, Path, list[list[int]]], kernels: str) -> None:
+    """troupe on the GGUF gives transformers' greedy tokens on the same weights, on both kernel sets."""
+    if kernels == "cpu" and not (build.REQUIRED_CPU_FLAGS <= build.cpu_flags() and build.shutil.which("c++")):
+        pytest.skip("no AVX2/FMA/F16C CPU or no C++ compiler here")
+    name, path, want = case
+    assert troupe_greedy(path, kernels, CASES[name][4]) == want
+
+
+def test_quantized_fused_projections_stay_in_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Phi-3's fused attn_qkv / ffn_up in Q8_0 are served split as Q8_0 row slices (nothing expanded), each
+    equal to its rows of the gguf package's dequantization of the fused tensor."""
+    import gguf
+
+    from troupe.kernels.quant import QuantizedTensor
+    from troupe.models.gguf import GGUFWeights, gguf_arch
+
+    path = built("phi3-Q8_0", tmp_path_factory)[0]
+    with GGUFFile(path) as f:
+        _, arch = gguf_arch(f)
+        assert not arch.fused_checkpoint
+        weights = GGUFWeights(f, arch)
+        h, q, kv, ff = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+        for fused, parts in (("attn_qkv", [("self_attn.q_proj", q), ("self_attn.k_proj", kv),
+                                           ("self_attn.v_proj", kv)]),
+                             ("ffn_up", [("mlp.gate_proj", ff), ("mlp.up_proj", ff)])):
+            info = f.tensors[f"blk.1.{fused}.weight"]
+            want = torch.from_numpy(gguf.quants.dequantize(f.raw(info.name), gguf.GGMLQuantizationType.Q8_0)
+                                    .reshape(info.shape))
+            start = 0
+            for part, rows in parts:
+                got = weights.get(f"model.layers.1.{part}.weight", (rows, h))
+                assert isinstance(got, QuantizedTensor)
+                torch.testing.assert_close(got.dequantize(), want[start:start + rows], rtol=0, atol=0)
+                start += rows
+            assert start == info.shape[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3-F32", "gemma2-F32", "gemma3-Q8_0", "phi3-Q8_0"])
+@pytest.mark.parametrize("missing", ["block_count", "embedding_length", "feed_forward_length",
+                                     "attention.head_count", "attention.layer_norm_rms_epsilon"])
+def test_missing_metadata_key_is_refused(name: str, missing: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A file without one of the keys the architecture needs is a ModelLoadError naming the key."""
+    with GGUFFile(built(name, tmp_path_factory)[0]) as f:
+        meta, names = dict(f.metadata), set(f.tensors)
+    key = f"{meta['general.architecture']}.{missing}"
+    with pytest.raises(ModelLoadError, match=rf"metadata key '{key}' is missing"):
+        gguf_config({k: v for k, v in meta.items() if k != key}, names, "m.gguf")
+
+
+def test_longrope_needs_its_original_context_and_both_factors() -> None:
+    """Phi-3 longrope: the factor tensors without `rope.scaling.original_context_length`, or one factor
+    tensor alone, are ModelLoadErrors naming what is missing."""
+    meta = {"general.architecture": "phi3", "phi3.embedding_length": 64, "phi3.attention.head_count": 4,
+            "phi3.feed_forward_length": 128, "phi3.block_count": 2, "phi3.attention.layer_norm_rms_epsilon": 1e-6,
+            "phi3.rope.scaling.original_context_length": 32}
+    both = {"rope_factors_long.weight", "rope_factors_short.weight", "token_embd.weight"}
+    assert gguf_config(meta, both)["original_max_position_embeddings"] == 32
+    no_ctx = {k: v for k, v in meta.items() if k != "phi3.rope.scaling.original_context_length"}
+    with pytest.raises(ModelLoadError, match="phi3.rope.scaling.original_context_length"):
+        gguf_config(no_ctx, both)
+    with pytest.raises(ModelLoadError, match="rope_factors_long.weight' without its pair"):
+        gguf_config(meta, both - {"rope_factors_short.weight"})
+    with pytest.raises(ModelLoadError, match="'longrope' without the rope_factors_long / rope_factors_short"):
+        gguf_config({**meta, "phi3.rope.scaling.type": "longrope"}, {"token_embd.weight"})
+
+
+@pytest.mark.parametrize(("key", "value"), [("yarn_log_multiplier", 0.1), ("yarn_attn_factor", 1.2),
+                                            ("yarn_ext_factor", 0.5)])
+def test_yarn_beyond_transformers_is_refused(key: str, value: float) -> None:
+    """llama.cpp's YaRN knobs that transformers' yarn has no place for are ModelLoadErrors naming the key."""
+    meta = {"general.architecture": "qwen3", "qwen3.embedding_length": 64, "qwen3.attention.head_count": 4,
+            "qwen3.feed_forward_length": 128, "qwen3.block_count": 2, "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+            "qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0,
+            "qwen3.rope.scaling.original_context_length": 128}
+    assert gguf_config(meta, set())["rope_scaling"]["rope_type"] == "yarn"
+    with pytest.raises(ModelLoadError, match=f"rope.scaling.{key}"):
+        gguf_config({**meta, f"qwen3.rope.scaling.{key}": value}, set())
+
+
+def test_unsupported_layouts_are_refused() -> None:
+    """A value length other than the key length, and partial rotary on a Llama (permuted) file, are
+    ModelLoadErrors naming the key or the architecture."""
+    base = {"embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 128, "block_count": 2,
+            "attention.layer_norm_rms_epsilon": 1e-6}
+    gemma = {"general.architecture": "gemma2", **{f"gemma2.{k}": v for k, v in base.items()},
+             "gemma2.attention.key_length": 16, "gemma2.attention.value_length": 32}
+    with pytest.raises(ModelLoadError, match="value_length"):
+        gguf_config(gemma, set())
+    llama = {"general.architecture": "llama", **{f"llama.{k}": v for k, v in base.items()},
+             "llama.rope.dimension_count": 8}
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        gguf_config(llama, set())
+
+
+def test_gemma3_context_is_not_stretched_by_its_rope_scaling(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 3's context_length already is the scaled length (vLLM does not multiply it by the linear factor):
+    the model's max_model_len is the file's context_length, not 4 times it."""
+    from troupe.models.loader import read_model_info
+
+    path = built("gemma3-Q8_0", tmp_path_factory)[0]
+    with GGUFFile(path) as f:
+        assert f.metadata["gemma3.rope.scaling.factor"] == 4.0
+        stated = f.metadata["gemma3.context_length"]
+    assert read_model_info(path).max_model_len == stated
