@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 KERNELS = {"reshape_and_cache", "rotary_embedding", "rms_norm", "rms_norm-fused", "silu_and_mul",
-           "prefill_attention", "decode_attention", "decode_reduce"}
+           "prefill_attention", "decode_attention", "decode_reduce", "fused_moe"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,7 +29,7 @@ def compile_env(tmp_path: Path) -> dict[str, str]:
 
 def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     """Each launcher variant (bf16 at the default model's and 8B-class shapes, float32, block size 32)
-    yields sm_90 PTX and an ELF cubin within Hopper's shared memory; all eight kernels are covered."""
+    yields sm_90 PTX and an ELF cubin within Hopper's shared memory; all nine kernels are covered."""
     proc = subprocess.run([sys.executable, "-m", "troupe.kernels.cuda.aot", "--arch", "90", "--json"],
                           env=compile_env(tmp_path), capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -6,6 +6,7 @@
 - `activation`: `silu_and_mul`;
 - `attention`: `paged_attention` over `attention_prefill` (tiled, causal, chunks after cached context)
   and `attention_decode` (GQA-grouped split-K with a reduce kernel);
+- `moe`: `fused_moe` (expert-sorted block-aligned pairs, grouped GEMMs for gate/up + SiLU and down);
 
 Launchers check metadata only (no host sync) and run on CUDA tensors, or on CPU tensors under
 `TRITON_INTERPRET=1` (how CI checks them; it must be set before this package is imported).

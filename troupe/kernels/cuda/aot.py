@@ -38,14 +38,16 @@ class Variant:
 
 def variants() -> list[Variant]:
     """Every variant; the default set (`ci`) is bf16 at both shapes, float32 at the small one, a block size
-    of 32, and bf16 attention with a sliding window and soft-capping at the small one (fp16 compiles the
-    bf16 code with another element type)."""
+    of 32, bf16 attention with a sliding window and soft-capping at the small one, and the fused MoE's two
+    GEMMs in bf16 (gate/up with SiLU at prefill tiles, down with the routing weight at decode tiles); fp16
+    compiles the bf16 code with another element type."""
     from troupe.kernels.cuda import (
         activation,
         attention,
         attention_decode,
         attention_prefill,
         cache_write,
+        moe,
         norm,
         rotary,
     )
@@ -100,6 +102,12 @@ def variants() -> list[Variant]:
     out.append(Variant("decode_attention-bf16-small-window-softcap", attention_decode.decode_attention_kernel,
                        {**attn16, "part_out": "*fp32", "part_lse": "*fp32"},
                        attention.decode_meta(3, 64, 16, False, False, window=True, softcap=True)))
+    moe_types = dict(a="*bf16", b="*bf16", c="*bf16", topk_weights="*fp32", sorted_token_ids="*i32",
+                     expert_ids="*i32", num_padded="*i32")  # Mixtral-class: 8 experts, top-2, h 4096, f 14336
+    out.append(Variant("fused_moe-gate_up-bf16-prefill", moe.fused_moe_kernel, moe_types,
+                       moe.fused_moe_meta(2 * 1024, 8, 4096, False, top_k=2, gated=True, mul_weight=False)))
+    out.append(Variant("fused_moe-down-bf16-decode", moe.fused_moe_kernel, {**moe_types, "c": "*fp32"},
+                       moe.fused_moe_meta(2 * 8, 8, 14336, False, top_k=1, gated=False, mul_weight=True)))
     names = [v.name for v in out]
     assert len(set(names)) == len(names), "variant names must be unique"
     return out

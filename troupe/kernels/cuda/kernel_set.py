@@ -9,7 +9,8 @@
   (`graph_sizes`, set once the graphs are captured: `graphs.DecodeGraphs`) is padded to that size in the
   graphs' fixed layout, with `max_seq_len` = `graph_max_seq_len`.
 - Per layer: `rms_norm` / `fused_add_rms_norm` (in place), `rotary_embedding` (in place on the q / k
-  views of the fused qkv output) then `reshape_and_cache`, `paged_attention`, `silu_and_mul`.
+  views of the fused qkv output) then `reshape_and_cache`, `paged_attention`, `silu_and_mul`; the routed
+  experts of an MoE layer as the fused Triton MoE (`moe.fused_moe`, experts stacked once at bind time).
 
 TEST-ONLY: `CudaKernels(device="cpu")` runs the same code on CPU tensors under the Triton interpreter,
 allowed only when `TRITON_INTERPRET=1` was set before `troupe.kernels.cuda` was imported
@@ -41,9 +42,11 @@ from troupe.kernels.cuda import cache_write
 from troupe.kernels.cuda.activation import silu_and_mul
 from troupe.kernels.cuda.attention import paged_attention
 from troupe.kernels.cuda.graphs import graph_size_for
+from troupe.kernels.cuda.moe import fused_moe, stack_experts
 from troupe.kernels.cuda.norm import fused_add_rms_norm, rms_norm
 from troupe.kernels.cuda.rotary import rotary_embedding
 from troupe.kernels.cuda.step_buffers import CudaMetadata, StepBuffers
+from troupe.kernels.moe import MoeOp
 
 
 def interpreter_active() -> bool:
@@ -94,6 +97,19 @@ class CudaKernels(KernelSet):
             return F.linear(x, w, b)
 
         return project
+
+    def moe(self, gate_up: Sequence[Any], down: Sequence[Any]) -> MoeOp:
+        """The fused Triton MoE (`moe.fused_moe`): the experts stacked once here into `w13` (E, 2f, h) and
+        `w2` (E, h, f) in the model dtype (a quantized expert expanded first, as `linear` does)."""
+        w13 = stack_experts((dense_on(w, self.device, self.dtype) for w in gate_up), len(gate_up), self.device,
+                            self.dtype)
+        w2 = stack_experts((dense_on(w, self.device, self.dtype) for w in down), len(down), self.device,
+                           self.dtype)
+
+        def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return fused_moe(x, ids, weights, w13, w2)
+
+        return experts
 
     def embedding(self, table: Any) -> EmbeddingOp:
         t = dense_on(table, self.device, self.dtype)  # (V, hidden)
