@@ -1,4 +1,4 @@
-"""GGUF files of Qwen3, Gemma 2, Gemma 3 and Phi-3, written as llama.cpp's converter writes them, against
+"""GGUF files of Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE, written as llama.cpp's converter writes them, against
 transformers on the same weights.
 
 Each model is a tiny random-weight transformers model (as tests/models/test_families.py builds them),
@@ -59,6 +59,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str, list[list[int]]]] = {
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
         "Q8_0", WINDOWED),
     "phi3-Q8_0": ("phi3", "Phi3Config", dict(sliding_window=16), "Q8_0", WINDOWED),
+    # mixtures of experts (8 experts, top-2): the ffn_*_exps tensors hold every expert, blocks kept per expert
+    "mixtral-Q8_0": ("llama", "MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2), "Q8_0", WINDOWED),
+    "qwen2moe-F32": ("qwen2moe", "Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                        shared_expert_intermediate_size=96), "F32", WINDOWED),
+    "qwen3moe-Q8_0": ("qwen3moe", "Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                         norm_topk_prob=True), "Q8_0", WINDOWED),
     "phi3-partial-longrope-F32": ("phi3", "Phi3Config", dict(
         partial_rotary_factor=0.5, max_position_embeddings=256, original_max_position_embeddings=32,
         rope_parameters=LONGROPE), "F32", SHORT),
@@ -100,10 +106,18 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
-    if arch in ("qwen3", "gemma2", "gemma3"):
+    if arch in ("qwen3", "gemma2", "gemma3", "qwen3moe"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
-    if arch == "qwen3":
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:  # convert_hf_to_gguf's MixtralModel / Qwen2MoeModel / Qwen3MoeModel keys
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch in ("qwen3", "qwen2moe", "qwen3moe", "llama"):
         writer.add_rope_freq_base(rope["rope_theta"])
         if rope.get("rope_type") == "yarn":  # convert_hf_to_gguf's TextModel.set_gguf_parameters
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -146,9 +160,29 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     with torch.no_grad():
         for pname, p in model.named_parameters():  # a tied head is the embedding's one parameter
+            if pname.endswith("mlp.experts.gate_up_proj"):  # (E, 2f, h): gate rows, then up rows
+                layer = pname.split(".")[2]
+                gate, up = p.chunk(2, dim=1)
+                for part, w3 in (("gate", gate), ("up", up)):
+                    _add(writer, f"blk.{layer}.ffn_{part}_exps.weight", w3, fmt)
+                continue
+            if pname.endswith("mlp.experts.down_proj"):  # (E, h, f)
+                _add(writer, f"blk.{pname.split('.')[2]}.ffn_down_exps.weight", p, fmt)
+                continue
             gname = names.get_name(pname, try_suffixes=(".weight", ".bias"))
             assert gname is not None, pname
             w = p.detach().float().numpy()
+            if arch == "llama" and pname.endswith(("q_proj.weight", "k_proj.weight")):  # the converter's permute
+                n = heads if "q_proj" in pname else cfg.num_key_value_heads
+                w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+                if fmt != "F32":  # the dequantized values go back in the HF layout below
+                    qtype = gguf.GGMLQuantizationType[fmt]
+                    raw = gguf.quants.quantize(w, qtype)
+                    writer.add_tensor(gname, raw, raw_dtype=qtype)
+                    back = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+                    back = back.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+                    p.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+                    continue
             if arch.startswith("gemma") and pname.endswith("norm.weight"):  # convert_hf_to_gguf: 1 + w
                 w = w + 1
             if p.ndim == 1 or fmt == "F32":
@@ -163,6 +197,20 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add(writer: Any, gname: str, p: torch.Tensor, fmt: str) -> None:
+    """A (E, rows, cols) expert tensor in `fmt`; in a block format `p` takes the blocks' values."""
+    import gguf
+
+    w = p.detach().float().numpy()
+    if fmt == "F32":
+        writer.add_tensor(gname, np.ascontiguousarray(w, dtype=np.float32))
+        return
+    qtype = gguf.GGMLQuantizationType[fmt]
+    raw = gguf.quants.quantize(w, qtype)
+    writer.add_tensor(gname, raw, raw_dtype=qtype)
+    p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(p.shape)))
 
 
 def hf_greedy(model: Any, batch: list[list[int]]) -> list[list[int]]:

@@ -117,11 +117,33 @@ def eos_token_ids(meta: dict[str, Any]) -> list[int]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Source:
-    """Where an HF tensor lives: GGUF tensor `gname`, or its rows `part` of the fused tensor split `split`."""
+    """Where an HF tensor lives: GGUF tensor `gname`, or its rows `part` of the fused tensor split `split`,
+    or expert `expert` of a tensor of all the layer's experts (E, rows, cols)."""
 
     gname: str
     split: tuple[str, ...] = ()  # the fused tensor's parts, in row order ("q", "k", "v" / "gate", "up")
     part: int = 0
+    expert: int = -1
+
+
+EXPERT_TENSORS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                  "ffn_down_exps": ("down_proj", "w2")}  # GGUF -> HF (Qwen MoE, Mixtral) expert projection
+MOE_TENSORS = {"ffn_gate_inp": "gate", "ffn_gate_inp_shexp": "shared_expert_gate",
+               "ffn_gate_shexp": "shared_expert.gate_proj", "ffn_up_shexp": "shared_expert.up_proj",
+               "ffn_down_shexp": "shared_expert.down_proj"}  # GGUF -> HF module under the layer's MLP block
+
+
+def _moe_sources(name: str, block: str, part: str, suffix: str, arch: ModelArch) -> dict[str, _Source]:
+    """The HF names a mixture-of-experts tensor of layer `block` (`blk.N`) serves: one per expert of an
+    `ffn_*_exps` tensor, one for the router and the shared expert's tensors; {} for any other tensor."""
+    mixtral = arch.expert_naming == "mixtral"
+    layer = f"model.layers.{block[4:]}." + ("block_sparse_moe." if mixtral else "mlp.")
+    if part in EXPERT_TENSORS:
+        proj = EXPERT_TENSORS[part][1 if mixtral else 0]
+        return {f"{layer}experts.{e}.{proj}.{suffix}": _Source(name, expert=e) for e in range(arch.num_experts)}
+    if part in MOE_TENSORS:
+        return {f"{layer}{MOE_TENSORS[part]}.{suffix}": _Source(name)}
+    return {}
 
 
 class GGUFWeights:
@@ -138,7 +160,10 @@ class GGUFWeights:
         for n in file.tensors:
             base, _, suffix = n.rpartition(".")
             block, _, part = base.rpartition(".")
-            if block.startswith("blk.") and part == "attn_qkv":
+            moe = _moe_sources(n, block, part, suffix, arch) if arch.num_experts and block.startswith("blk.") else {}
+            if moe:
+                self._sources.update(moe)
+            elif block.startswith("blk.") and part == "attn_qkv":
                 layer = f"model.layers.{block[4:]}.self_attn."
                 for i, proj in enumerate(("q", "k", "v")):
                     self._sources[f"{layer}{proj}_proj.{suffix}"] = _Source(n, ("q", "k", "v"), i)
@@ -155,7 +180,10 @@ class GGUFWeights:
         if name not in self._sources:
             raise ModelLoadError(f"{self.file.path}: tensor for {name!r} is missing")
         src = self._sources[name]
-        w = self._part(src, shape) if src.split else self._whole(src.gname, shape)
+        if src.expert >= 0:
+            w = self._expert(src, shape)
+        else:
+            w = self._part(src, shape) if src.split else self._whole(src.gname, shape)
         is_qk = name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"))
         if self.permuted and is_qk:
             heads = self.arch.num_heads if ".q_proj." in name else self.arch.num_kv_heads
@@ -190,6 +218,23 @@ class GGUFWeights:
         if isinstance(fused, QuantizedTensor):
             return QuantizedTensor(fused.qtype, fused.data[start:stop].contiguous(), (stop - start, fused.shape[1]))
         return fused[start:stop].contiguous()
+
+    def _expert(self, src: _Source, shape: tuple[int, ...]) -> Weight:
+        """Expert `src.expert`'s (rows, cols) of a (E, rows, cols) tensor, its own copy (blocks kept)."""
+        info = self.file.tensors[src.gname]
+        if info.shape != (self.arch.num_experts, *shape):
+            raise ModelLoadError(f"{self.file.path}: tensor {src.gname!r} has shape {list(info.shape)}, the model's "
+                                 f"metadata implies {[self.arch.num_experts, *shape]}")
+        rows, cols = shape
+        if info.ggml_type in KEPT_TYPES and info.ggml_type != QType.F32 and not self.dequantize:
+            raw = self.file.raw(src.gname).reshape(self.arch.num_experts, rows, -1)
+            data = torch.from_numpy(raw[src.expert].copy())  # (rows, row_bytes): not a view of the whole
+            return QuantizedTensor(QType(info.ggml_type), data, (rows, cols))
+        if self._fused is None or self._fused[0] != src.gname:  # expanded once for all its experts
+            self._fused = (src.gname, _dense(self.file, src.gname, self._warned))
+        whole = self._fused[1]
+        assert isinstance(whole, torch.Tensor)
+        return whole[src.expert].clone()
 
     def _read(self, gname: str) -> Weight:
         info = self.file.tensors[gname]

@@ -30,6 +30,8 @@ GGUF_ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's converter interleaves their q/k rows
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # norm weights stored as (1 + w)
@@ -135,6 +137,31 @@ def _qwen(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: st
     return {"use_sliding_window": False}
 
 
+def _experts(need: Meta) -> dict[str, Any]:
+    return {"num_experts": int(need("expert_count")), "num_local_experts": int(need("expert_count")),
+            "num_experts_per_tok": int(need("expert_used_count"))}
+
+
+def _llama(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
+    """A `llama` file with experts (`expert_count`) is Mixtral: every layer's MLP is its experts."""
+    if not get("expert_count"):
+        return {}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **_experts(need)}
+
+
+def _qwen_moe(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
+    """Qwen2-MoE / Qwen3-MoE: experts of `expert_feed_forward_length`, top-k renormalized as the file says
+    (`expert_weights_norm`; llama.cpp's default: Qwen3-MoE yes, Qwen2-MoE no); Qwen2-MoE's shared expert of
+    `expert_shared_feed_forward_length`."""
+    qwen3 = cfg["model_type"] == "qwen3_moe"
+    out = {"use_sliding_window": False, **_experts(need),
+           "moe_intermediate_size": int(need("expert_feed_forward_length")),
+           "norm_topk_prob": bool(get("expert_weights_norm", qwen3))}
+    if not qwen3:
+        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0))
+    return out
+
+
 def _phi3(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
     """Phi-3: a sliding window on every layer where the file has one (0: none, Phi-4)."""
     return {"sliding_window": int(get("attention.sliding_window", 0)) or None}
@@ -173,4 +200,5 @@ def _gemma(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: s
     return out
 
 
-_FAMILY_CONFIG = {"qwen2": _qwen, "qwen3": _qwen, "phi3": _phi3, "gemma2": _gemma, "gemma3": _gemma}
+_FAMILY_CONFIG = {"llama": _llama, "qwen2": _qwen, "qwen3": _qwen, "phi3": _phi3, "gemma2": _gemma, "gemma3": _gemma,
+                  "qwen2moe": _qwen_moe, "qwen3moe": _qwen_moe}
