@@ -11,10 +11,7 @@ import pytest
 import torch
 
 from troupe.config import EngineConfig
-from troupe.core.engine_core import EngineCore
-from troupe.messages import AddRequest
-from troupe.sampling_params import SamplingParams
-from troupe.testing.models import make_transformers_model
+from troupe.testing.models import engine_greedy, make_transformers_model
 
 SMALL = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
@@ -30,17 +27,9 @@ PROMPTS = [[(5 * i + n) % 3000 + 10 for i in range(n)] for n in (4, 11)]  # the 
 
 
 def greedy(folder: Path, kernels: str) -> list[list[int]]:
-    core = EngineCore(EngineConfig(model=str(folder), dtype="float32", kernels=kernels, device="cpu", block_size=4,
-                                   num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=8, num_threads=1,
-                                   enforce_eager=True))
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        core.add_request(AddRequest(f"r{i}", p, params, 3))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            got[o.request_id].extend(o.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(PROMPTS))]
+    return engine_greedy(EngineConfig(model=str(folder), dtype="float32", kernels=kernels, device="cpu", block_size=4,
+                                      num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=8, num_threads=1,
+                                      enforce_eager=True), PROMPTS, 3)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

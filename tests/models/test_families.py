@@ -17,10 +17,7 @@ import pytest
 import torch
 
 from troupe.config import EngineConfig
-from troupe.core.engine_core import EngineCore
-from troupe.messages import AddRequest
-from troupe.sampling_params import SamplingParams
-from troupe.testing.models import make_transformers_model
+from troupe.testing.models import engine_greedy, make_transformers_model, transformers_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -87,29 +84,15 @@ def hf_greedy(folder: Path, batch: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in batch:
-            seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return transformers_greedy(model, batch, NEW_TOKENS)
 
 
 def troupe_greedy(folder: Path, kernels: str, batch: list[list[int]], **options: Any) -> list[list[int]]:
     """All prompts in one engine, chunked prefill (32-token budget) mixing prefills with decodes."""
     kv = "float32" if kernels == "cpu" else "auto"
-    core = EngineCore(EngineConfig(model=str(folder), dtype="float32", kernels=kernels, kv_cache_dtype=kv,
-                                   num_kv_blocks=128, block_size=4, max_num_batched_tokens=32, num_threads=1,
-                                   **options))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, p in enumerate(batch):
-        core.add_request(AddRequest(f"r{i}", p, params, NEW_TOKENS))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            got[o.request_id].extend(o.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(batch))]
+    return engine_greedy(EngineConfig(model=str(folder), dtype="float32", kernels=kernels, kv_cache_dtype=kv,
+                                      num_kv_blocks=128, block_size=4, max_num_batched_tokens=32, num_threads=1,
+                                      **options), batch, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -24,14 +24,12 @@ import pytest
 import torch
 
 from troupe.config import EngineConfig
-from troupe.core.engine_core import EngineCore
 from troupe.errors import ModelLoadError
 from troupe.kernels.cpu import build
-from troupe.messages import AddRequest
 from troupe.models.default_model import find_default_gguf
 from troupe.models.gguf_config import gguf_config
 from troupe.models.gguf_file import GGUFFile
-from troupe.sampling_params import SamplingParams
+from troupe.testing.models import engine_greedy, transformers_greedy
 
 NEW_TOKENS = 6
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -214,28 +212,15 @@ def _add(writer: Any, gname: str, p: torch.Tensor, fmt: str) -> None:
 
 
 def hf_greedy(model: Any, batch: list[list[int]]) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for p in batch:
-            seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return transformers_greedy(model, batch, NEW_TOKENS)
 
 
 def troupe_greedy(path: Path, kernels: str, batch: list[list[int]]) -> list[list[int]]:
     """All prompts in one engine (the file's blocks kept), chunked prefill mixing prefills with decodes."""
     kv = "float32" if kernels == "cpu" else "auto"
-    core = EngineCore(EngineConfig(model=str(path), dtype="float32", kernels=kernels, kv_cache_dtype=kv,
-                                   num_kv_blocks=64, block_size=4, max_num_batched_tokens=32, num_threads=1))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, p in enumerate(batch):
-        core.add_request(AddRequest(f"r{i}", p, params, NEW_TOKENS))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
-    while core.has_unfinished_requests():
-        for o in core.step().outputs:
-            got[o.request_id].extend(o.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(batch))]
+    return engine_greedy(EngineConfig(model=str(path), dtype="float32", kernels=kernels, kv_cache_dtype=kv,
+                                      num_kv_blocks=64, block_size=4, max_num_batched_tokens=32, num_threads=1),
+                         batch, NEW_TOKENS)
 
 
 _BUILT: dict[str, tuple[Path, list[list[int]], dict[str, Any]]] = {}
