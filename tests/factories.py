@@ -77,3 +77,34 @@ def random_block_tables(seqs: list[tuple[int, int]], block_size: int, g: torch.G
         tables.append(perm[i : i + n])
         i += n
     return tables, num_blocks
+
+
+def engine_greedy(config: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy `new_tokens` for every prompt, all added at once to one `EngineCore(config)` and stepped to
+    the end (the scheduler batches them as it does any requests): [tokens of each prompt]."""
+    from troupe.core.engine_core import EngineCore
+    from troupe.messages import AddRequest
+    from troupe.sampling_params import SamplingParams
+
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(AddRequest(f"r{i}", p, params, new_tokens))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def transformers_greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy `new_tokens` for each prompt alone (`model.generate`, no sampling, no eos stop)."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            out.append(seq[0, len(p):].tolist())
+    return out

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from factories import engine_greedy, transformers_greedy
 
 from troupe.config import EngineConfig
-from troupe.testing.models import engine_greedy, make_transformers_model, transformers_greedy
+from troupe.testing.models import make_transformers_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

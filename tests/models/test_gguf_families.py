@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from factories import engine_greedy, transformers_greedy
 
 from troupe.config import EngineConfig
 from troupe.errors import ModelLoadError
@@ -29,7 +30,6 @@ from troupe.kernels.cpu import build
 from troupe.models.default_model import find_default_gguf
 from troupe.models.gguf_config import gguf_config
 from troupe.models.gguf_file import GGUFFile
-from troupe.testing.models import engine_greedy, transformers_greedy
 
 NEW_TOKENS = 6
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from troupe.errors import ModelLoadError
-from troupe.models.arch import parse_rope, rope_params
+from troupe.models.rope_params import parse_rope, rope_params
 
 Family = Callable[[dict[str, Any], dict[str, Any], str], dict[str, Any]]
 

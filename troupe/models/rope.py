@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from troupe.models.arch import Rope
+from troupe.models.rope_params import Rope
 
 
 def inv_freq(rope: Rope, max_len: int, max_position_embeddings: int, long: bool = False) -> torch.Tensor:
