@@ -17,6 +17,7 @@ import pytest
 from troupe.outputs import CompletionOutput, RequestOutput
 from troupe.server.chat import ChatCompletionRequest
 from troupe.server.chat_format import ChatFormat
+from troupe.tools.hermes import ToolCall
 from troupe.tools.parsers import TOOL_PARSERS, tool_parser
 from troupe.tools.reasoning import REASONING_PARSERS, reasoning_parser
 
@@ -76,7 +77,7 @@ def test_unknown_reasoning_parser_named() -> None:
 # ---------------------------------------------------------------------- tool calls
 
 WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
-TIME = ("get_time", {})
+TIME: tuple[str, dict] = ("get_time", {})
 TOOL_CASES = [
     # (parser, output, content, calls)
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
@@ -115,7 +116,7 @@ def test_tool_calls_whole_and_streamed(name: str, text: str, content: str | None
     assert whole.content == (content if calls else text)
     for step in STEPS:
         stream = parser.stream()
-        got_text, got_calls = "", []
+        got_text, got_calls = "", list[ToolCall]()
         for piece in pieces(text, step):
             c, done = stream.feed(piece)
             got_text, got_calls = got_text + c, got_calls + done
