@@ -273,3 +273,10 @@ def test_recorded_reasoning_and_call_streamed(step: int) -> None:
     assert final["usage"]["output_tokens"] == len(parts)
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len(thought.split())
     assert stored == [final]
+
+
+def test_tokenize_uses_the_server_template(server: ServerProcess, tok: Any) -> None:
+    messages = [{"role": "user", "content": "Count me"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == prompt_tokens(tok, messages)

@@ -183,7 +183,8 @@ async def tokenize_endpoint(request: Request) -> Response:
     llm = state.engine()
     tok = llm.get_tokenizer()
     if req.messages is not None:
-        text = render_chat(tok, conversation(req.messages), req.add_generation_prompt, tools=tool_dicts(req.tools))
+        text = render_chat(tok, conversation(req.messages), req.add_generation_prompt, state.settings.chat_template,
+                           tools=tool_dicts(req.tools), limits=llm.config.input_limits)
         special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False  # as chat does
     else:
         assert req.prompt is not None
