@@ -280,3 +280,15 @@ def test_tokenize_uses_the_server_template(server: ServerProcess, tok: Any) -> N
     r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["count"] == prompt_tokens(tok, messages)
+
+
+def test_chat_template_flag_takes_a_file_or_the_text(tmp_path: Path) -> None:
+    from troupe.server.launcher import chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert chat_template(str(path)) == TEMPLATE
+    assert chat_template(TEMPLATE) == TEMPLATE
+    assert chat_template(None) is None
+    with pytest.raises(SystemExit, match="--chat-template: 'missing.jinja' is neither a file nor a Jinja template"):
+        chat_template("missing.jinja")
