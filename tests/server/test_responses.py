@@ -2,9 +2,11 @@
 
 One server for the module: the tiny random Llama (the default model's tokenizer) with a server-wide
 `--chat-template` (a plain one, so the prompt each request should have is known: the oracle for
-`usage.input_tokens` is that template rendered and tokenized by transformers). The
-model's text is random, so content is checked through structured outputs (`text.format`, a named
-tool) and the rest by structure: items, the event sequence, usage, the store. The stream formatter
+`usage.input_tokens` is that template rendered and tokenized by transformers) and
+`--reasoning-parser deepseek_r1` (its split of a greedy answer is checked against the parser applied
+to the same prompt's raw greedy completion). The model's text is random, so content is checked
+through structured outputs (`text.format`, a named tool) and the rest by structure: items, the
+event sequence, usage, the store. The stream formatter
 is also fed a recorded reasoning + tool-call output, for the reasoning item and function-call events.
 """
 
@@ -50,7 +52,8 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     folder = tmp_path_factory.mktemp("responses")
     (folder / "template.jinja").write_text(TEMPLATE)
     args = [str(tiny_llama), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "tiny",
-            "--chat-template", str(folder / "template.jinja"), "--responses-store-size", "2"]
+            "--chat-template", str(folder / "template.jinja"), "--responses-store-size", "2",
+            "--reasoning-parser", "deepseek_r1"]
     with ServerProcess(args, folder) as srv:
         yield srv
 
@@ -71,16 +74,32 @@ def prompt_tokens(tok: Any, messages: list[dict[str, Any]]) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def check_usage(resp: Any, input_tokens: int, limit: int) -> None:
+def reasoning_of(resp: Any) -> str:
+    return "".join(c.text for item in resp.output if item.type == "reasoning" for c in item.content or [])
+
+
+def check_usage(resp: Any, input_tokens: int, limit: int, tok: Any) -> None:
     usage = resp.usage
     assert usage.input_tokens == input_tokens
     assert 1 <= usage.output_tokens <= limit
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-    assert usage.output_tokens_details.reasoning_tokens == 0
+    thought = reasoning_of(resp)
+    assert usage.output_tokens_details.reasoning_tokens == len(tok(thought, add_special_tokens=False)["input_ids"])
     if resp.status == "incomplete":  # cut by max_output_tokens; else the model stopped by itself
         assert usage.output_tokens == limit and resp.incomplete_details.reason == "max_output_tokens"
     else:
         assert resp.status == "completed" and resp.incomplete_details is None
+
+
+def check_text_items(resp: Any) -> None:
+    """A reasoning item (when the model reasoned), then a message (when it answered, or nothing else)."""
+    kinds = [item.type for item in resp.output]
+    assert kinds in (["reasoning"], ["message"], ["reasoning", "message"])
+    for item in resp.output:
+        if item.type == "message":
+            assert item.role == "assistant" and [p.type for p in item.content] == ["output_text"]
+        else:
+            assert [c.type for c in item.content] == ["reasoning_text"] and item.content[0].text
 
 
 def test_text_input_with_instructions(client: openai.OpenAI, tok: Any) -> None:
@@ -89,12 +108,9 @@ def test_text_input_with_instructions(client: openai.OpenAI, tok: Any) -> None:
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == "tiny"
     assert (resp.instructions, resp.max_output_tokens, resp.temperature, resp.top_p) == \
         ("Answer briefly.", 6, 0.5, 0.9)
-    assert [item.type for item in resp.output] == ["message"]
-    message = resp.output[0]
-    assert message.role == "assistant" and [p.type for p in message.content] == ["output_text"]
-    assert resp.output_text == message.content[0].text
+    check_text_items(resp)
     check_usage(resp, prompt_tokens(tok, [{"role": "system", "content": "Answer briefly."},
-                                          {"role": "user", "content": "Hello there"}]), 6)
+                                          {"role": "user", "content": "Hello there"}]), 6, tok)
 
 
 def test_message_items_and_tool_results(client: openai.OpenAI, tok: Any) -> None:
@@ -111,7 +127,7 @@ def test_message_items_and_tool_results(client: openai.OpenAI, tok: Any) -> None
                 {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "get_weather"}}]},
                 {"role": "tool", "content": "21 C"}]
-    check_usage(resp, prompt_tokens(tok, expected), 4)
+    check_usage(resp, prompt_tokens(tok, expected), 4, tok)
     assert resp.tools[0].name == "get_weather" and resp.tool_choice == "none"
 
 
@@ -142,24 +158,69 @@ def test_named_tool_choice(client: openai.OpenAI) -> None:
         assert any(doc.startswith(compact) for doc in ('{"unit":"c"}', '{"unit":"f"}')), compact
 
 
-def test_stream_event_sequence(client: openai.OpenAI, tok: Any) -> None:
+def expected_kinds(output: list[Any]) -> list[str]:
+    """The event types a stream of these output items has, runs of deltas collapsed to one."""
+    kinds = ["response.created", "response.in_progress"]
+    for item in output:
+        kinds.append("response.output_item.added")
+        if item.type == "function_call":
+            kinds += ["response.function_call_arguments.delta", "response.function_call_arguments.done"]
+        else:
+            text = "reasoning_text" if item.type == "reasoning" else "output_text"
+            kinds += ["response.content_part.added", f"response.{text}.delta", f"response.{text}.done",
+                      "response.content_part.done"]
+        kinds.append("response.output_item.done")
+    return [*kinds, "response.completed"]
+
+
+def collapse(kinds: list[str]) -> list[str]:
+    return [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_stream_event_sequence(client: openai.OpenAI, tok: Any, constrained: bool) -> None:
+    text = {"format": {"type": "json_object"}} if constrained else openai.NOT_GIVEN  # no reasoning split
     with client.responses.stream(model="tiny", input=[{"role": "user", "content": "Tell me"}],
-                                 max_output_tokens=5) as stream:
+                                 max_output_tokens=5, text=text) as stream:
         events = list(stream)
         final = stream.get_final_response()
     kinds = [e.type for e in events]
-    deltas = [e for e in events if e.type == "response.output_text.delta"]
-    assert kinds == (["response.created", "response.in_progress", "response.output_item.added",
-                      "response.content_part.added"] + ["response.output_text.delta"] * len(deltas)
-                     + ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                        "response.completed"])
+    assert collapse(kinds) == expected_kinds(final.output)
+    if constrained:
+        assert [item.type for item in final.output] == ["message"]
+    check_text_items(final)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
-    text = "".join(e.delta for e in deltas)
-    done = events[-4]
-    assert done.text == text == final.output_text
-    assert events[-2].item.id == events[2].item.id == final.output[0].id
-    check_usage(final, prompt_tokens(tok, [{"role": "user", "content": "Tell me"}]), 5)
+    for index, item in enumerate(final.output):
+        deltas = "".join(e.delta for e in events if e.type.endswith("_text.delta") and e.output_index == index)
+        done = [e for e in events if e.type.endswith("_text.done") and e.output_index == index]
+        assert [e.text for e in done] == [deltas] == [item.content[0].text]
+        assert [e.item.id for e in events if e.type == "response.output_item.done" and e.output_index == index] \
+            == [item.id]
+    check_usage(final, prompt_tokens(tok, [{"role": "user", "content": "Tell me"}]), 5, tok)
+
+
+def test_reasoning_split_matches_the_raw_output(client: openai.OpenAI, server: ServerProcess) -> None:
+    """Greedy answers to one prompt: the raw completion, split by the parser here, is what chat
+    (whole and streamed) and the Responses API answer with."""
+    messages: list[Any] = [{"role": "user", "content": "Think first"}]
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    raw = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0).choices[0].text
+    reasoning, content = reasoning_parser("deepseek_r1").split(raw)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    message = chat.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (reasoning, content)
+    hidden = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"include_reasoning": False}).choices[0].message
+    assert (hidden.model_extra["reasoning_content"], hidden.content) == (None, content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == (reasoning or "")
+    assert "".join(d.content or "" for d in deltas) == (content or "")
+    resp = client.responses.create(model="tiny", input=messages, max_output_tokens=8, temperature=0)
+    assert reasoning_of(resp) == (reasoning or "")
+    assert resp.output_text == (content or "")
 
 
 def test_store_get_delete_and_previous_response(client: openai.OpenAI, server: ServerProcess, tok: Any) -> None:
@@ -171,7 +232,7 @@ def test_store_get_delete_and_previous_response(client: openai.OpenAI, server: S
     conversation = [{"role": "user", "content": "First question"},
                     {"role": "assistant", "content": first.output_text},
                     {"role": "user", "content": "Second question"}]
-    check_usage(follow, prompt_tokens(tok, conversation), 3)
+    check_usage(follow, prompt_tokens(tok, conversation), 3, tok)
     assert follow.previous_response_id == first.id
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):

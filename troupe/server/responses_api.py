@@ -16,8 +16,8 @@ outputs, tool and reasoning parsers); only the answer's shape differs.
    (the template's `reasoning_effort`), and vLLM's sampling extras (`top_k`, `min_p`, `seed`, ...).
    Other tool types and `background=true` are a 400 naming the field.
 3. Output items, in order: a `reasoning` item (with a reasoning parser, when the model reasoned),
-   a `message` with one `output_text` part (when there is text, or nothing else), one
-   `function_call` item per tool call. `status` is `completed`, or `incomplete` with
+   a `message` with one `output_text` part (when there is text, or no other item: an empty
+   answer is an empty message), one `function_call` item per tool call. `status` is `completed`, or `incomplete` with
    `incomplete_details.reason = "max_output_tokens"` when the length limit cut it; `usage` counts
    input, output and reasoning tokens.
 4. Streaming (`stream=true`): SSE `event:` / `data:` pairs, each with a `sequence_number`:
@@ -289,7 +289,7 @@ def output_items(chat: ChatCompletionResponse) -> tuple[list[dict[str, Any]], st
     if thought:
         items.append(_reasoning_item(thought))
     calls = message.tool_calls if not isinstance(message.tool_calls, msgspec.UnsetType) else []
-    if message.content is not None or not calls:
+    if message.content is not None or not items and not calls:
         items.append(_message_item(message.content or ""))
     items.extend(_call_item(c.id, c.function.name, c.function.arguments) for c in calls)
     return items, thought
@@ -303,7 +303,7 @@ def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
         elif item["type"] == "function_call":
             out.extend(input_messages([item]))
-    return out
+    return out or [{"role": "assistant", "content": ""}]  # it only reasoned: an empty turn
 
 
 # ---------------------------------------------------------------------- the store
