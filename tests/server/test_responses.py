@@ -253,6 +253,8 @@ def test_store_get_delete_and_previous_response(client: openai.OpenAI, server: S
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "top_k": -5}, "top_k"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]},
      "tool_choice.function.name"),
 ])
