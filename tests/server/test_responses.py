@@ -27,13 +27,8 @@ from transformers import AutoTokenizer
 
 from troupe.outputs import CompletionOutput, RequestOutput
 from troupe.server.chat_format import ChatFormat
-from troupe.server.responses_api import (
-    ResponseShell,
-    ResponsesRequest,
-    ResponsesStream,
-    chat_request,
-    output_items,
-)
+from troupe.server.responses_api import ResponsesRequest, chat_request
+from troupe.server.responses_output import ResponseShell, ResponsesStream, output_items
 from troupe.tools.parsers import tool_parser
 from troupe.tools.reasoning import reasoning_parser
 

@@ -2,7 +2,7 @@
 
 A Responses request is translated into a chat completion request (`chat_request`) and run on the
 chat path (`serving.start_chat`: model check, sampling parameters, chat template, structured
-outputs, tool and reasoning parsers); only the answer's shape differs.
+outputs, tool and reasoning parsers); only the answer's shape differs (`responses_output.py`).
 
 1. Input: `input` as text (one user message) or a list of items: messages (`role` user, system,
    developer or assistant; `content` text or `input_text` / `output_text` parts), `function_call`
@@ -35,7 +35,6 @@ outputs, tool and reasoning parsers); only the answer's shape differs.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -45,12 +44,17 @@ from msgspec import Meta
 from starlette.requests import Request
 from starlette.responses import Response
 
-from troupe.outputs import RequestOutput
 from troupe.server.chat import ChatCompletionRequest
-from troupe.server.chat_format import ChatFormat
 from troupe.server.errors import APIError, bad_request
 from troupe.server.protocol import Int64, PositiveInt
-from troupe.server.responses import ChatCompletionResponse, ChatDelta
+from troupe.server.responses_output import (
+    ResponseShell,
+    ResponsesStream,
+    count_tokens,
+    new_id,
+    output_items,
+    usage_body,
+)
 from troupe.server.serving import gather_finals, json_response, read_body, server_state, start_chat
 from troupe.server.sse import EventStream
 
@@ -222,77 +226,6 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
     return chat, conversation
 
 
-# ---------------------------------------------------------------------- answers
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _usage(prompt: int, output: int, reasoning: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output,
-            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + output}
-
-
-@dataclass
-class ResponseShell:
-    """The response object's fields that echo the request."""
-
-    id: str
-    model: str
-    created_at: int
-    req: ResponsesRequest
-
-    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
-             incomplete: bool = False) -> dict[str, Any]:
-        req = self.req
-        fmt = req.text.format if req.text is not None and req.text.format is not None else TextFormat()
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
-            "status": status, "output": output, "usage": usage, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
-            "tool_choice": req.tool_choice or "auto",
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": {"format": msgspec.structs.asdict(fmt) if fmt.type == "json_schema" else {"type": fmt.type}},
-            "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
-            "reasoning": msgspec.structs.asdict(req.reasoning) if req.reasoning is not None else None,
-            "truncation": req.truncation or "disabled", "user": req.user, "background": False,
-        }
-
-
-def _reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or _new_id("rs"), "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []}
-
-
-def _message_item(text: str | None, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"id": item_id or _new_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": content}
-
-
-def _call_item(call_id: str, name: str, arguments: str, status: str = "completed",
-               item_id: str | None = None) -> dict[str, Any]:
-    return {"id": item_id or _new_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
-
-
-def output_items(chat: ChatCompletionResponse) -> tuple[list[dict[str, Any]], str | None]:
-    """A whole chat answer's output items (module docstring, step 3), and its reasoning text."""
-    message = chat.choices[0].message
-    items = []
-    thought = message.reasoning_content if isinstance(message.reasoning_content, str) else None
-    if thought:
-        items.append(_reasoning_item(thought))
-    calls = message.tool_calls if not isinstance(message.tool_calls, msgspec.UnsetType) else []
-    if message.content is not None or not items and not calls:
-        items.append(_message_item(message.content or ""))
-    items.extend(_call_item(c.id, c.function.name, c.function.arguments) for c in calls)
-    return items, thought
-
-
 def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as chat messages, for `previous_response_id`."""
     out: list[dict[str, Any]] = []
@@ -302,6 +235,8 @@ def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif item["type"] == "function_call":
             out.extend(input_messages([item]))
     return out or [{"role": "assistant", "content": ""}]  # it only reasoned: an empty turn
+
+
 
 
 # ---------------------------------------------------------------------- the store
@@ -348,145 +283,6 @@ def response_store(request: Request) -> ResponseStore:
     return store
 
 
-# ---------------------------------------------------------------------- the stream
-
-
-def _event(kind: str, payload: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode({"type": kind, **payload}) + b"\n\n"
-
-
-class ResponsesStream:
-    """The SSE formatter of one streamed response (module docstring, step 4), over `ChatFormat.step`."""
-
-    def __init__(self, shell: ResponseShell, chat: ChatFormat, tokenizer: Any,
-                 on_done: Any = None) -> None:
-        self.shell = shell
-        self.chat = chat
-        self._tok = tokenizer
-        self._on_done = on_done
-        self._seq = 0
-        self._output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the item being streamed
-        self._text: list[str] = []
-        self._prompt_tokens = 0
-        self._tokens = 0
-        self._reasoning: list[str] = []
-        self._finish: str | None = None
-        self._started = False
-
-    def _emit(self, kind: str, **payload: Any) -> bytes:
-        event = _event(kind, {**payload, "sequence_number": self._seq})
-        self._seq += 1
-        return event
-
-    def _close(self) -> list[bytes]:
-        item = self._open
-        if item is None:
-            return []
-        self._open = None
-        index = len(self._output)
-        text = "".join(self._text)
-        self._text = []
-        events = []
-        if item["type"] == "function_call":
-            item["arguments"] = text
-            events.append(self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                     arguments=text, name=item["name"]))
-        else:
-            part = ({"type": "reasoning_text", "text": text} if item["type"] == "reasoning"
-                    else {"type": "output_text", "text": text, "annotations": [], "logprobs": []})
-            done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": []}
-            events.append(self._emit(done, item_id=item["id"], output_index=index, content_index=0, text=text,
-                                     **extra))
-            events.append(self._emit("response.content_part.done", item_id=item["id"], output_index=index,
-                                     content_index=0, part=part))
-            item["content"] = [part]
-        item["status"] = "completed"
-        events.append(self._emit("response.output_item.done", output_index=index, item=item))
-        self._output.append(item)
-        return events
-
-    def _open_item(self, item: dict[str, Any]) -> list[bytes]:
-        events = self._close()
-        self._open = item
-        index = len(self._output)
-        events.append(self._emit("response.output_item.added", output_index=index, item=dict(item)))
-        if item["type"] == "reasoning":
-            events.append(self._emit("response.content_part.added", item_id=item["id"], output_index=index,
-                                     content_index=0, part={"type": "reasoning_text", "text": ""}))
-        elif item["type"] == "message":
-            events.append(self._emit("response.content_part.added", item_id=item["id"], output_index=index,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                            "logprobs": []}))
-        return events
-
-    def _kind(self) -> str | None:
-        return None if self._open is None else str(self._open["type"])
-
-    def _delta_events(self, delta: ChatDelta) -> list[bytes]:
-        events: list[bytes] = []
-        if delta.reasoning_content:
-            if self._kind() != "reasoning":
-                events += self._open_item(_reasoning_item("", "in_progress"))
-            self._text.append(delta.reasoning_content)
-            self._reasoning.append(delta.reasoning_content)
-            events.append(self._emit("response.reasoning_text.delta", item_id=self._open["id"],  # type: ignore[index]
-                                     output_index=len(self._output), content_index=0,
-                                     delta=delta.reasoning_content))
-        if delta.content:
-            if self._kind() != "message":
-                events += self._open_item(_message_item(None, "in_progress"))
-            self._text.append(delta.content)
-            events.append(self._emit("response.output_text.delta", item_id=self._open["id"],  # type: ignore[index]
-                                     output_index=len(self._output), content_index=0, delta=delta.content,
-                                     logprobs=[]))
-        for call in delta.tool_calls or []:
-            fn = call.function
-            if call.id is not None:  # a new call
-                events += self._open_item(_call_item(call.id, fn.name if fn and fn.name else "", "", "in_progress"))
-            if fn is not None and fn.arguments and self._kind() == "function_call":
-                self._text.append(fn.arguments)
-                events.append(self._emit("response.function_call_arguments.delta",
-                                         item_id=self._open["id"],  # type: ignore[index]
-                                         output_index=len(self._output), delta=fn.arguments))
-        return events
-
-    def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
-        events = []
-        if not self._started:
-            self._started = True
-            self._prompt_tokens = len(out.prompt_token_ids or ())
-            body = self.shell.body("in_progress", [], None)
-            events.append(self._emit("response.created", response=body))
-            events.append(self._emit("response.in_progress", response=body))
-        for c in out.outputs:
-            self._tokens += len(c.token_ids)
-            delta, reason = self.chat.step(c)
-            events += self._delta_events(delta)
-            if reason is not None:
-                self._finish = reason
-        return events
-
-    def tail(self) -> list[bytes]:
-        events = self._close()
-        if not self._output:  # nothing generated: an empty message, as a whole answer has
-            events += self._open_item(_message_item(None, "in_progress"))
-            events += self._close()
-        incomplete = self._finish == "length"
-        thought = "".join(self._reasoning)
-        body = self.shell.body("incomplete" if incomplete else "completed", self._output,
-                               _usage(self._prompt_tokens, self._tokens, _count(self._tok, thought)), incomplete)
-        if self._on_done is not None:
-            self._on_done(body)
-        events.append(self._emit("response.completed", response=body))
-        return events
-
-
-def _count(tokenizer: Any, text: str | None) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-
-
 # ---------------------------------------------------------------------- endpoints
 
 
@@ -498,7 +294,7 @@ async def create_response(request: Request) -> Response:
     history = store.get(req.previous_response_id).conversation if req.previous_response_id else []
     chat, conversation = chat_request(req, history)
     run = await start_chat(request, chat, arrival)
-    shell = ResponseShell(_new_id("resp"), run.model, int(time.time()), req)
+    shell = ResponseShell(new_id("resp"), run.model, int(time.time()), req)
     fmt = run.formatter(shell.id)
 
     def keep(body: dict[str, Any]) -> None:
@@ -514,7 +310,7 @@ async def create_response(request: Request) -> Response:
     items, thought = output_items(answer)
     incomplete = answer.choices[0].finish_reason == "length"
     body = shell.body("incomplete" if incomplete else "completed", items,
-                      _usage(answer.usage.prompt_tokens, answer.usage.completion_tokens, _count(run.tokenizer, thought)),
+                      usage_body(answer.usage.prompt_tokens, answer.usage.completion_tokens, count_tokens(run.tokenizer, thought)),
                       incomplete)
     keep(body)
     return json_response(body)
