@@ -1,6 +1,7 @@
 """`build_app`: the OpenAI-compatible Starlette app over an engine it is given.
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`), `GET /v1/models`,
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`), `POST /v1/responses`
+with `GET` / `DELETE /v1/responses/{id}` (`responses_api.py`), `GET /v1/models`,
 `GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and
 `GET /openapi.json` (the OpenAPI 3.1 document of all of them, built from the request and response
 Structs: `openapi.py`).
@@ -49,6 +50,7 @@ from troupe.server.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from troupe.server.responses_api import create_response, delete_response, retrieve_response
 from troupe.server.serving import (
     REQUEST_ID,
     create_chat_completion,
@@ -181,7 +183,8 @@ async def tokenize_endpoint(request: Request) -> Response:
     llm = state.engine()
     tok = llm.get_tokenizer()
     if req.messages is not None:
-        text = render_chat(tok, conversation(req.messages), req.add_generation_prompt, tools=tool_dicts(req.tools))
+        text = render_chat(tok, conversation(req.messages), req.add_generation_prompt, state.settings.chat_template,
+                           tools=tool_dicts(req.tools), limits=llm.config.input_limits)
         special = bool(req.add_special_tokens) if req.add_special_tokens is not None else False  # as chat does
     else:
         assert req.prompt is not None
@@ -246,6 +249,9 @@ def build_app(settings: ServerSettings,
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),

@@ -5,9 +5,15 @@ Tool calls by `ChatCompletionRequest.tool_mode`:
   null, finish_reason as generated; streamed as the call (id, name) first, then argument pieces.
 - `required`: the output is a JSON array of `{name, parameters}` (forced): one call each;
   finish_reason `tool_calls`; streamed whole at the end (the array is only useful complete).
-- `auto` with the tool parser on: hermes-style `<tool_call>` blocks (`troupe.tools.hermes`): the text
-  before is the content; finish_reason `tool_calls` when a tool was called; streamed content as
-  it comes, each call when its block closes.
+- `auto` with a tool parser on (`troupe serve --tool-call-parser`, `troupe.tools.parsers`): the
+  calls in the format it reads (hermes `<tool_call>` blocks by default); the text before is the
+  content; finish_reason `tool_calls` when a tool was called; streamed content as it comes, each
+  call when the parser has it whole.
+
+With a reasoning parser (`--reasoning-parser`, `troupe.tools.reasoning`) and no output constraint
+(structured outputs force the answer from its first token), the output's reasoning is split off
+first into `reasoning_content` (left out with `include_reasoning=false`), and only the rest is read
+for tool calls; streamed, reasoning deltas come as they are generated.
 `parallel_tool_calls=false` keeps the first call only. A streamed answer starts with one role chunk
 per choice; `continuous_usage_stats` puts the usage so far (the prompt and all choices' tokens) on
 every chunk.
@@ -37,13 +43,16 @@ from troupe.server.responses import (
     usage,
 )
 from troupe.server.sse import DONE, sse_event
-from troupe.tools import HermesStreamParser, ToolCall, parse_tool_calls, tool_calls_from_required
+from troupe.tools import ToolCall, tool_calls_from_required
 from troupe.tools.hermes import new_call_id
+from troupe.tools.parsers import ToolParser, ToolStream
+from troupe.tools.reasoning import ReasoningParser, ReasoningStream
 
 
 @dataclass
 class _Choice:
-    parser: HermesStreamParser | None = None
+    parser: ToolStream | None = None
+    thinking: ReasoningStream | None = None
     buffer: list[str] = field(default_factory=list)
     call_id: str | None = None
     calls_sent: int = 0
@@ -53,11 +62,13 @@ class _Choice:
 class ChatFormat:
     """Turns one chat request's outputs into choices; also the SSE formatter (`chunks`, `tail`)."""
 
-    def __init__(self, req: ChatCompletionRequest, tokenizer: Any, parse_tools: bool,
-                 response_id: str, model: str, created: int) -> None:
+    def __init__(self, req: ChatCompletionRequest, tokenizer: Any, tool_parser: ToolParser | None,
+                 response_id: str, model: str, created: int, reasoning: ReasoningParser | None = None) -> None:
         self.req = req
         mode = req.tool_mode
-        self.mode = "none" if mode == "auto" and not parse_tools else mode
+        self.mode = "none" if mode == "auto" and tool_parser is None else mode
+        self._tools = tool_parser
+        self.reasoning = reasoning  # None where the output is constrained (the caller knows)
         self._text = TokenText(tokenizer, req.return_tokens_as_token_ids)
         self._prefix = req.echo_prefix()
         self._id, self._model, self._created = response_id, model, created
@@ -85,7 +96,11 @@ class ChatFormat:
     # ------------------------------------------------------------------ whole answers
 
     def _message(self, c: CompletionOutput) -> tuple[ChatMessageOut, bool]:
-        content: str | None = self._prefix + c.text
+        text, thought = c.text, None
+        if self.reasoning is not None:
+            thought, answer = self.reasoning.split(text)
+            text = answer or ""
+        content: str | None = self._prefix + text
         calls: list[ToolCall] = []
         if self.mode == "named":
             calls, content = [ToolCall(name=self.req.named_tool().name, arguments=c.text)], None
@@ -94,10 +109,15 @@ class ChatFormat:
             if parsed is not None:
                 calls, content = parsed, None
         elif self.mode == "auto":
-            found = parse_tool_calls(c.text)
+            assert self._tools is not None
+            found = self._tools.parse(text)
             calls, content = found.tool_calls, found.content if found.called else content
         calls = self._keep(calls)
         message = ChatMessageOut(content=content)
+        if self.reasoning is not None:
+            message.reasoning_content = thought if self.req.include_reasoning else None
+            if not content:
+                message.content = None
         if calls:
             message.tool_calls = [ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
                                   for t in calls]
@@ -141,18 +161,33 @@ class ChatFormat:
             st.calls_sent += 1
         return out
 
-    def _delta(self, c: CompletionOutput, st: _Choice) -> ChatDelta:
+    def delta(self, c: CompletionOutput, st: _Choice) -> ChatDelta:
+        """One output's new text as a delta: reasoning split off, then tool calls (module docstring)."""
         done = c.finish_reason is not None
+        text, thought = c.text, ""
+        if self.reasoning is not None:
+            if st.thinking is None:
+                st.thinking = self.reasoning.stream()
+            thought, text = st.thinking.feed(c.text)
+            if done:
+                more_thought, more_text = st.thinking.finish()
+                thought, text = thought + more_thought, text + more_text
+        delta = self._answer_delta(text, done, st)
+        if thought and self.req.include_reasoning:
+            delta.reasoning_content = thought
+        return delta
+
+    def _answer_delta(self, text: str, done: bool, st: _Choice) -> ChatDelta:
         if self.mode == "named":
             if st.call_id is None:
                 st.call_id = new_call_id()
                 st.calls_sent = 1
                 return ChatDelta(tool_calls=[ToolCallDelta(index=0, id=st.call_id, type="function", function=FunctionCallDelta(
-                    name=self.req.named_tool().name, arguments=c.text))])
-            return ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=c.text))]
-                             if c.text else None)
+                    name=self.req.named_tool().name, arguments=text))])
+            return ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))]
+                             if text else None)
         if self.mode == "required":
-            st.buffer.append(c.text)
+            st.buffer.append(text)
             if not done:
                 return ChatDelta()
             text = "".join(st.buffer)
@@ -160,15 +195,22 @@ class ChatFormat:
             return ChatDelta(content=text) if parsed is None else ChatDelta(tool_calls=self._tool_deltas(st, parsed))
         if self.mode == "auto":
             if st.parser is None:
-                st.parser = HermesStreamParser()
-            content, calls = st.parser.feed(c.text)
+                assert self._tools is not None
+                st.parser = self._tools.stream()
+            content, calls = st.parser.feed(text)
             if done:
                 rest, more = st.parser.finish()
                 content, calls = content + rest, calls + more
             if st.parser.calls and not content.strip():
                 content = ""
             return ChatDelta(content=content or None, tool_calls=self._tool_deltas(st, calls) or None)
-        return ChatDelta(content=c.text or None)
+        return ChatDelta(content=text or None)
+
+    def step(self, c: CompletionOutput) -> tuple[ChatDelta, str | None]:
+        """One streamed output's delta and finish reason, for other stream shapes (the Responses API)."""
+        st = self._choices.setdefault(c.index, _Choice())
+        st.tokens += len(c.token_ids)
+        return self.delta(c, st), self._finish(c, st.calls_sent > 0)
 
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
         self._prompt_tokens = len(out.prompt_token_ids or ())
@@ -186,10 +228,11 @@ class ChatFormat:
         for c in out.outputs:
             st = self._choices.setdefault(c.index, _Choice())
             st.tokens += len(c.token_ids)
-            delta = self._delta(c, st)
+            delta = self.delta(c, st)
             logprobs = self._logprobs(c) if c.token_ids else None
             reason = self._finish(c, st.calls_sent > 0)
-            if delta.content is None and delta.tool_calls is None and reason is None and logprobs is None:
+            if (delta.content is None and delta.tool_calls is None and delta.reasoning_content is None
+                    and reason is None and logprobs is None):
                 continue
             choice = ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish(reason),
                                      stop_reason=c.stop_reason)

@@ -71,10 +71,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-engine-death-after", type=float, default=2.0,
                    help="seconds to keep answering 503 after the engine died, then exit 1 (<0: never)")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20)
-    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
-                   help="how tool calls are read from the output for tool_choice auto (none: not at all)")
+    g.add_argument("--tool-call-parser", default="hermes",
+                   choices=["hermes", "llama3_json", "mistral", "pythonic", "none"],
+                   help="the format tool calls are read in for tool_choice auto (none: not at all)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM command lines: troupe parses tool calls unless --tool-call-parser none")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split the model's <think>...</think> into reasoning_content (chat) and reasoning "
+                        "items (Responses)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the chat template for every request (a file, or the Jinja text itself), instead "
+                        "of the model's; for models whose own template lacks tools")
+    g.add_argument("--responses-store-size", type=int, default=256, metavar="N",
+                   help="Responses API answers with store=true kept in memory for GET/DELETE (oldest dropped)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (refused otherwise, as vLLM)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
@@ -164,7 +173,9 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
                               max_body_bytes=args.max_request_body_bytes, body_timeout_s=args.body_timeout,
                               allowed_hosts=args.allowed_hosts,
                               tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
-                              trust_request_chat_template=args.trust_request_chat_template)
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
+                              responses_store_size=args.responses_store_size)
     app = build_app(settings, lambda: AsyncLLM(**engine_options))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -185,6 +196,21 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
             sock.close()
             tg.cancel_scope.cancel()
     return run.exit_code
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is no file (a Jinja template)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"troupe serve: --chat-template: {exc}") from None
+    if "{" not in value:
+        raise SystemExit(f"troupe serve: --chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def api_key(args: argparse.Namespace) -> str | None:

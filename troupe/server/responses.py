@@ -119,6 +119,7 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET  # with a reasoning parser
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -157,6 +158,7 @@ class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -23,6 +23,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -42,6 +43,8 @@ from troupe.server.fields import reject_unsupported, unknown_fields, warn_ignore
 from troupe.server.protocol import CompletionRequest
 from troupe.server.sse import EventStream, cancel_on_disconnect
 from troupe.server.state import ServerState
+from troupe.tools.parsers import ToolParser, tool_parser
+from troupe.tools.reasoning import ReasoningParser, reasoning_parser
 
 T = TypeVar("T")
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
@@ -172,19 +175,43 @@ async def create_completion(request: Request) -> Response:
     return json_response(fmt.response(finals))
 
 
-async def create_chat_completion(request: Request) -> Response:
-    arrival = time.monotonic()
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request submitted to the engine: its output source and the pieces its formatter takes."""
+
+    req: ChatCompletionRequest
+    source: AsyncGenerator[RequestOutput]
+    tokenizer: Any
+    model: str
+    request_id: str
+    tool_parser: ToolParser | None
+    reasoning: ReasoningParser | None  # None where the output is constrained (structured outputs)
+
+    def formatter(self, response_id: str) -> ChatFormat:
+        return ChatFormat(self.req, self.tokenizer, self.tool_parser, response_id, self.model, int(time.time()),
+                          self.reasoning)
+
+
+async def start_chat(request: Request, req: ChatCompletionRequest, arrival: float) -> ChatRun:
+    """Check `req`, render and tokenize its conversation, and submit it (steps 2-3 of the module
+    docstring). Shared by chat completions and the Responses API (`responses_api.py`)."""
     state = server_state(request)
-    req = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
+    settings = state.settings
     model = state.check_model(req.model)
     reject_unsupported(req)
-    if req.chat_template is not None and not state.settings.trust_request_chat_template:
+    if req.chat_template is not None and not settings.trust_request_chat_template:
         raise bad_request("chat_template", "a request's own chat_template needs `troupe serve "
                                            "--trust-request-chat-template`")
     llm = state.engine()
     check_params(req, llm.config.input_limits)  # before any field is converted
     params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
+    tools = tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+    if tools is not None and tools.keeps_special_tokens and req.tool_mode == "auto":
+        params.skip_special_tokens = False  # the format's marker is a special token (as vLLM)
+    reasoning = reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
     messages, template_kwargs = req.template_inputs()
+    if req.chat_template is None and settings.chat_template is not None:
+        template_kwargs["chat_template"] = settings.chat_template
     tok = llm.get_tokenizer()
     size = sum(len(str(m.get("content", ""))) for m in messages)
     if req.chat_template is not None:  # the client's own template: its cost is its own, never on the loop
@@ -197,11 +224,19 @@ async def create_chat_completion(request: Request) -> Response:
     prompt = {"prompt_token_ids": await offload(size, prompt_ids)}
     base = request_id(request, req.request_id)
     source = state.follow(base, params.output_kind, arrival, llm.generate(prompt, params, base, priority=req.priority))
-    fmt = ChatFormat(req, tok, state.settings.tool_call_parser is not None, f"chatcmpl-{base}", model,
-                     int(time.time()))
+    return ChatRun(req, source, tok, model, base, tools,
+                   reasoning if params.structured_outputs is None else None)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
+    state = server_state(request)
+    req = await read_body(request, ChatCompletionRequest, state.settings.max_body_bytes)
+    run = await start_chat(request, req, arrival)
+    fmt = run.formatter(f"chatcmpl-{run.request_id}")
     if req.stream:
-        return EventStream([source], fmt)
-    finals = await gather_finals(request, [source])
+        return EventStream([run.source], fmt)
+    finals = await gather_finals(request, [run.source])
     if finals is None:
         return Response(status_code=499)
     return json_response(fmt.response(finals[0]))

@@ -69,6 +69,9 @@ class ServerSettings:
     allowed_hosts: Sequence[str] | None = None  # Host headers served (None: any)
     tool_call_parser: str | None = "hermes"  # parses tool calls for tool_choice "auto"; None: no parsing
     trust_request_chat_template: bool = False  # may a request bring its own `chat_template`?
+    reasoning_parser: str | None = None  # splits <think> reasoning off the output (troupe.tools.reasoning)
+    chat_template: str | None = None  # the server-wide chat template (--chat-template), over the model's
+    responses_store_size: int = 256  # stored Responses API answers kept (oldest dropped first)
 
     @property
     def model_name(self) -> str:

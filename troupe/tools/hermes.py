@@ -51,6 +51,11 @@ def _call_from_json(text: str) -> ToolCall | None:
         obj = json.loads(text)
     except ValueError:
         return None
+    return call_from_object(obj)
+
+
+def call_from_object(obj: Any) -> ToolCall | None:
+    """`{"name": str, "arguments" (or "parameters"): object or its JSON text}` as a call; else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args: Any = obj.get("arguments", obj.get("parameters", {}))
