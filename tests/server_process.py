@@ -115,3 +115,39 @@ class ServerProcess:
         """The exit code, waiting at most `timeout` seconds (TimeoutExpired otherwise)."""
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
+
+
+class HealthProber:
+    """While in its `with` block, a thread asks `url`/health every `every` seconds; `slowest` is the longest
+    answer (seconds) and every answer must be 200 (checked when the block ends)."""
+
+    def __init__(self, url: str, every: float = 0.05) -> None:
+        import threading
+
+        self.url, self.every = url, every
+        self.slowest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, name="health-prober", daemon=True)
+        self._error: BaseException | None = None
+
+    def _probe(self) -> None:
+        try:
+            with httpx.Client(base_url=self.url, timeout=10) as http:
+                while not self._stop.is_set():
+                    started = time.monotonic()
+                    status = http.get("/health").status_code
+                    assert status == 200, status
+                    self.slowest = max(self.slowest, time.monotonic() - started)
+                    self._stop.wait(self.every)
+        except BaseException as exc:  # reported by __exit__, in the test's thread
+            self._error = exc
+
+    def __enter__(self) -> HealthProber:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        if self._error is not None:
+            raise self._error

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from engines import engine_pid
-from server_process import ServerProcess
+from server_process import HealthProber, ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,33 +57,18 @@ def max_lag(url: str) -> float:
 def under_watch(server: ServerProcess, attack: Callable[[httpx.Client], Any]) -> Any:
     """Run `attack` while a prober asks /health every 50 ms and a plain request is served; return
     what the attack returned, after checking the prober's and the watchdog's bounds."""
-    stop = threading.Event()
-    slowest = [0.0]
-
-    def probe() -> None:
-        with httpx.Client(base_url=server.url, timeout=10) as http:
-            while not stop.is_set():
-                started = time.monotonic()
-                assert http.get("/health").status_code == 200
-                slowest[0] = max(slowest[0], time.monotonic() - started)
-                stop.wait(0.05)
-
     def plain() -> int:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             return http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4}).status_code
 
-    with ThreadPoolExecutor(3) as pool, httpx.Client(base_url=server.url, timeout=120) as http:
-        prober = pool.submit(probe)
-        try:
-            plain_status = pool.submit(plain)
-            result = attack(http)
-            assert plain_status.result(timeout=60) == 200
-        finally:
-            stop.set()
-        prober.result(timeout=30)
+    with HealthProber(server.url) as prober, ThreadPoolExecutor(1) as pool, \
+            httpx.Client(base_url=server.url, timeout=120) as http:
+        plain_status = pool.submit(plain)
+        result = attack(http)
+        assert plain_status.result(timeout=60) == 200
     lag = max_lag(server.url)
-    print(f"\nslowest /health {slowest[0] * 1000:.0f} ms, watchdog max lag {lag * 1000:.0f} ms")
-    assert slowest[0] < HEALTH_S, slowest[0]
+    print(f"\nslowest /health {prober.slowest * 1000:.0f} ms, watchdog max lag {lag * 1000:.0f} ms")
+    assert prober.slowest < HEALTH_S, prober.slowest
     assert lag < MAX_LAG_S, lag
     return result
 

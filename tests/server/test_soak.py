@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from engines import engine_pid
-from server_process import ServerProcess
+from server_process import HealthProber, ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -118,31 +117,15 @@ def test_memory_returns_to_its_level_after_a_soak(tiny_llama: Path, tmp_path: Pa
         load(srv.url, 3.0)  # warm-up: every path, the grammar compiler, the allocator's first arenas
         wait_idle(srv.url)
         level = {"server": rss_bytes(server_pid), "engine": rss_bytes(engine)}
-        stop = threading.Event()
-        slowest = [0.0]
-
-        def probe() -> None:
-            with httpx.Client(base_url=srv.url, timeout=10) as http:
-                while not stop.is_set():
-                    started = time.monotonic()
-                    assert http.get("/health").status_code == 200
-                    slowest[0] = max(slowest[0], time.monotonic() - started)
-                    stop.wait(0.1)
-
-        with ThreadPoolExecutor(1) as pool:
-            prober = pool.submit(probe)
-            try:
-                sent = load(srv.url, SOAK_S)
-            finally:
-                stop.set()
-            prober.result(timeout=30)
+        with HealthProber(srv.url, every=0.1) as prober:
+            sent = load(srv.url, SOAK_S)
         metrics = wait_idle(srv.url)
         after = {"server": rss_bytes(server_pid), "engine": rss_bytes(engine)}
         lag = gauge(metrics, "troupe:event_loop_lag_max_seconds")
         print(f"\n{sent} requests in {SOAK_S:g} s; RSS MB before/after: "
               + ", ".join(f"{k} {level[k] / 2**20:.0f}/{after[k] / 2**20:.0f}" for k in level)
-              + f"; slowest /health {slowest[0] * 1000:.0f} ms, watchdog max lag {lag * 1000:.0f} ms")
+              + f"; slowest /health {prober.slowest * 1000:.0f} ms, watchdog max lag {lag * 1000:.0f} ms")
         assert sent >= CLIENTS
         for name in level:
             assert after[name] <= level[name] + max(0.15 * level[name], 24 * 2**20), (name, level, after)
-        assert slowest[0] < 1.0 and lag < 0.25
+        assert prober.slowest < 1.0 and lag < 0.25
