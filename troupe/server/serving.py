@@ -93,7 +93,7 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
                        code="request_timeout") from None
     decoder = _decoders.get(kind)
     if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind, strict=False)  # lax, as vLLM's pydantic: 5.0 is 5
     body = b"".join(chunks)
 
     def decode() -> tuple[T, list[str]]:
@@ -161,7 +161,7 @@ async def create_completion(request: Request) -> Response:
     base = request_id(request, req.request_id)
     ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
     sources = [state.follow(rid, params.output_kind, arrival,
-                            llm.generate(p, params.clone(), rid, priority=req.priority))
+                            llm.generate(p, params.clone(), rid, priority=req.priority), params=params)
                for p, rid in zip(prompts, ids, strict=True)]
     fmt = CompletionFormat(req, texts, tok, f"cmpl-{base}", model, int(time.time()))
     if req.stream:
@@ -196,7 +196,8 @@ async def create_chat_completion(request: Request) -> Response:
 
     prompt = {"prompt_token_ids": await offload(size, prompt_ids)}
     base = request_id(request, req.request_id)
-    source = state.follow(base, params.output_kind, arrival, llm.generate(prompt, params, base, priority=req.priority))
+    source = state.follow(base, params.output_kind, arrival, llm.generate(prompt, params, base, priority=req.priority),
+                          params=params)
     fmt = ChatFormat(req, tok, state.settings.tool_call_parser is not None, f"chatcmpl-{base}", model,
                      int(time.time()))
     if req.stream:
