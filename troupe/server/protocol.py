@@ -2,8 +2,8 @@
 
 Decoding checks types and ranges (`Meta`, the ranges `SamplingParams` checks, published in
 `/openapi.json`): a wrong type or an out-of-range value is a 400 naming the field. Like vLLM's
-pydantic models (lax mode) it converts what converts exactly: an integral float (`"max_tokens": 5.0`)
-or a numeric string for an integer, "true"/"false" for a boolean; `5.5` for an integer stays a 400.
+pydantic models, an integer field takes an integral float (`"max_tokens": 5.0`,
+`serving.integral_floats_as_ints`); `5.5` stays a 400, and so does a string for a number.
 Keys a Struct does not declare are ignored with a warning (`fields.unknown_fields`), as vLLM's server
 does for keys it does not know either; vLLM's own request fields are all declared, and those troupe
 cannot honour are a 400 unless neutral (`fields.reject_unsupported`).

@@ -45,6 +45,7 @@ from troupe.server.state import ServerState
 
 T = TypeVar("T")
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+_INT_GOT_FLOAT = re.compile(r"Expected `[^`]*\bint\b[^`]*`, got `float`")
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
 OFFLOAD_CHARS = 4096  # render / tokenize longer texts in a worker thread
 OFFLOAD_BODY_BYTES = 65_536  # decode larger bodies in a worker thread
@@ -93,12 +94,17 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
                        code="request_timeout") from None
     decoder = _decoders.get(kind)
     if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind, strict=False)  # lax, as vLLM's pydantic: 5.0 is 5
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
     body = b"".join(chunks)
 
     def decode() -> tuple[T, list[str]]:
         try:
-            result: T = decoder.decode(body)
+            try:
+                result: T = decoder.decode(body)
+            except msgspec.ValidationError as exc:
+                if not _INT_GOT_FLOAT.search(str(exc)):
+                    raise
+                result = decoder.decode(integral_floats_as_ints(body))  # 5.0 for an int, as vLLM's pydantic
         except RecursionError:
             raise bad_request(None, "the request body nests objects or arrays too deeply") from None
         return result, unknown_fields(body, kind)
@@ -108,6 +114,23 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     if ignored:
         warn_ignored(ignored, request.scope["state"]["request_id"])
     return result
+
+
+def integral_floats_as_ints(body: bytes) -> bytes:
+    """The JSON `body` with every integral float (5.0) written as an integer (5): vLLM's pydantic
+    models take 5.0 for an integer field, msgspec does not; 5.5 stays a float (and a 400 for an
+    integer field). Used only when the body failed to decode on such a float."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:  # beyond: no int64 anyway
+            return int(value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return msgspec.json.encode(walk(msgspec.json.decode(body)))
 
 
 async def offload(size: int, fn: Callable[[], T]) -> T:
