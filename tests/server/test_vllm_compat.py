@@ -278,12 +278,22 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http: httpx.Client) -> Non
     assert cut["usage"]["prompt_tokens"] == 5
     assert cut["choices"][0]["text"] == by_hand["choices"][0]["text"]
     assert complete({"prompt": ids, "truncate_prompt_tokens": -1}).json()["usage"]["prompt_tokens"] == len(ids)
+    echoed = complete({"prompt": ids, "truncate_prompt_tokens": 5, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echoed["text"] == by_hand_echo(http, ids[-5:])
+    assert len(echoed["logprobs"]["tokens"]) == 5 + 4
     for k in (0, MAX_MODEL_LEN + 1):
         resp = complete({"prompt": ids, "truncate_prompt_tokens": k})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncate_prompt_tokens", resp.text
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a long question " * 8}],
                                                    "max_tokens": 2, "truncate_prompt_tokens": 7, **EXACT})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 7
+
+
+def by_hand_echo(http: httpx.Client, ids: list[int]) -> str:
+    """The echoed text of `ids` sent as the whole prompt."""
+    resp = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "echo": True, **EXACT})
+    text: str = resp.json()["choices"][0]["text"]
+    return text
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -211,7 +211,8 @@ async def openapi_endpoint(request: Request) -> Response:
     state = server_state(request)
     if state.openapi is None:  # built once, on first use
         state.openapi = msgspec.json.encode(openapi_document(
-            api_key=bool(state.settings.api_key), tokenizer_info=state.settings.enable_tokenizer_info_endpoint))
+            api_key=bool(state.settings.api_key), tokenizer_info=state.settings.enable_tokenizer_info_endpoint,
+            model_names=list(state.settings.served_model_names)))
     return Response(state.openapi, media_type="application/json")
 
 

@@ -75,9 +75,11 @@ def _get(op_id: str, summary: str, ok: dict[str, Any], *errors: int) -> dict[str
     return {"get": {"operationId": op_id, "summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
-def openapi_document(*, api_key: bool = False, tokenizer_info: bool = False) -> dict[str, Any]:
+def openapi_document(*, api_key: bool = False, tokenizer_info: bool = False,
+                     model_names: list[str] | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document of every endpoint (`api_key`: Bearer auth on the /v1 paths, as vLLM;
-    `tokenizer_info`: the server has `/tokenizer_info`)."""
+    `tokenizer_info`: the server has `/tokenizer_info`; `model_names`: the served names, the ids
+    `/v1/models/{model}` knows)."""
     _, schemas = msgspec.json.schema_components([*_REQUESTS, *_RESPONSES], ref_template=_REF)
     paths = {
         "/v1/completions": _generation("createCompletion", "Text completion", protocol.CompletionRequest,
@@ -108,7 +110,8 @@ def openapi_document(*, api_key: bool = False, tokenizer_info: bool = False) -> 
                               401),
     }
     paths["/v1/models/{model}"]["get"]["parameters"] = [
-        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        {"name": "model", "in": "path", "required": True,
+         "schema": {"type": "string", **({"enum": model_names} if model_names else {})}}]
     if tokenizer_info:
         paths["/tokenizer_info"] = _get("tokenizerInfo", "The tokenizer's class, special tokens and chat template",
                                         {"description": "OK", "content": {"application/json": {

@@ -176,7 +176,8 @@ async def create_completion(request: Request) -> Response:
     params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
     prompts = req.prompts()
     tok = llm.get_tokenizer()
-    texts = [p if isinstance(p, str) else None for p in prompts]
+    truncated = req.truncate_prompt_tokens is not None  # echo then shows the tokens served, decoded
+    texts = [p if isinstance(p, str) and not truncated else None for p in prompts]
     if not req.add_special_tokens:  # the engine would add them: tokenize here
         for i, p in enumerate(prompts):
             if isinstance(p, str):
