@@ -2,7 +2,10 @@
 
 Accepted prompts (as in vLLM): a string; `{"prompt": str}`; `{"prompt_token_ids": [...]}`
 (vLLM's `TokensPrompt`); or, through `render_chat`, a conversation rendered by the model's chat
-template. Every check raises `InvalidInputError` naming the field and the allowed range.
+template. A prompt dict with vLLM's multimodal or embedding keys (`multi_modal_data`, ...) is
+refused: troupe serves text-only models, and dropping them would answer another question.
+`SamplingParams.truncate_prompt_tokens` keeps the prompt's last k tokens (`truncate_prompt`).
+Every check raises `InvalidInputError` naming the field and the allowed range.
 """
 
 from __future__ import annotations
@@ -48,11 +51,18 @@ def next_request_id() -> str:
     return str(next(_counter))
 
 
+_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
+
+
 def split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
     """(text, token ids): exactly one is set."""
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, Mapping):
+        for key in _UNSUPPORTED_PROMPT_KEYS:
+            if prompt.get(key) is not None:
+                raise InvalidInputError(key, f"`{key}` is not supported: troupe serves text-only models "
+                                             "(give the prompt as text or token ids)")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
@@ -161,6 +171,20 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int) -> li
     return out
 
 
+def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The last `params.truncate_prompt_tokens` ids (-1: max_model_len), as vLLM truncates on the left;
+    `ids` when unset. More than max_model_len is an `InvalidInputError`."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise InvalidInputError("truncate_prompt_tokens", f"got {k}, more than the model's context of "
+                                f"{max_model_len} tokens (max_model_len)")
+    return ids[-k:] if len(ids) > k else ids
+
+
 def build_request(
     *, prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits, external_id: str,
     priority: int = 0, data_parallel_rank: int | None = None, tokenizer: Any = None,
@@ -171,6 +195,7 @@ def build_request(
     if not isinstance(params, SamplingParams):
         raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     params.verify()  # again: the struct is mutable, and a field changed since construction must not reach the engine
+    prompt_token_ids = truncate_prompt(prompt_token_ids, params, limits.max_model_len)
     validate_prompt_ids(prompt_token_ids, limits)
     validate_sampling(params, limits)
     bad_words: list[list[int]] = []

@@ -59,6 +59,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never completed: the last token of each is banned after the others
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM)
 
     def __post_init__(self) -> None:
         self.verify()
@@ -123,6 +124,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens, 1, INT64_MAX, "or None")
         _integer("min_tokens", self.min_tokens, 0, INT64_MAX)
+        if self.truncate_prompt_tokens is not None:
+            _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, INT64_MAX, "(-1: max_model_len) or None")
+            if self.truncate_prompt_tokens == 0:
+                raise bad("truncate_prompt_tokens", "must be >= 1 or -1 (max_model_len), got 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for field in ("logprobs", "prompt_logprobs"):

@@ -72,7 +72,8 @@ def test_the_document_covers_every_route(server: ServerProcess) -> None:
     doc = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                                 "/v1/models", "/version", "/health", "/metrics", "/openapi.json"}
+                                 "/v1/models", "/version", "/health", "/metrics", "/openapi.json",
+                                 "/v1/models/{model}", "/ping"}
     schemas = doc["components"]["schemas"]
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
     assert "additionalProperties" not in schemas["CompletionRequest"]  # unknown fields: ignored with a warning
@@ -134,10 +135,10 @@ class Tally:
 ONLY_NEUTRAL = ("best_of", "suffix", "use_beam_search", "length_penalty", "logprob_token_ids", "prompt_embeds",
                 "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection",
                 "thinking_token_budget", "stream_interval", "watermarking", "routed_experts_prompt_start",
-                "truncation_side", "functions", "function_call", "modalities", "audio", "prediction", "store",
-                "service_tier", "guided_decoding_backend", "priority", "model", "chat_template", "request_id",
+                "truncation_side", "functions", "function_call", "modalities", "audio", "prediction",
+                "logits_processors", "mm_processor_kwargs", "media_io_kwargs", "truncate_prompt_tokens", "service_tier", "guided_decoding_backend", "priority", "model", "chat_template", "request_id",
                 "continue_final_message", "structured_outputs", "response_format", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar", "guided_whitespace_pattern", "tool_choice", "top_logprobs",
+                "guided_choice", "guided_grammar", "structural_tag", "guided_whitespace_pattern", "tool_choice", "top_logprobs",
                 "prompt_logprobs", "stream_options")
 
 

@@ -58,7 +58,7 @@ def metrics(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]],
 
 
 def aborted(m: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
-    return m[("troupe:request_success_total", (("finished_reason", "abort"),))]
+    return m[("vllm:request_success_total", (("finished_reason", "abort"),))]
 
 
 def sse_payloads(lines: list[str]) -> list[Any]:
@@ -243,16 +243,16 @@ def test_unknown_model_is_404_and_the_server_stays_healthy(client: openai.OpenAI
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
-def test_api_key_is_required_except_for_health(server: ServerProcess) -> None:
-    """Without the right Bearer key every endpoint but /health is 401."""
+def test_api_key_is_required_on_v1_only(server: ServerProcess) -> None:
+    """Without the right Bearer key every /v1 endpoint is 401; the others are open, as in vLLM."""
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     with httpx.Client(base_url=server.url, timeout=30) as anon:
-        assert anon.get("/health").status_code == 200
-        for path in ("/metrics", "/v1/models", "/version"):
-            resp = anon.get(path)
-            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/health", "/metrics", "/version"):
+            assert anon.get(path).status_code == 200
+        resp = anon.get("/v1/models")
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_request_id_header_is_used_and_echoed(http: httpx.Client) -> None:
@@ -412,13 +412,13 @@ def test_metrics_match_the_requests_served(client: openai.OpenAI, http: httpx.Cl
 
     prompt = sum(u.prompt_tokens for u in usages if u)
     completion = sum(u.completion_tokens for u in usages if u)
-    assert delta("troupe:request_success_total", finished_reason="length") == 4
-    assert delta("troupe:request_success_total", finished_reason="abort") == 0
-    assert delta("troupe:prompt_tokens_total") == prompt
-    assert delta("troupe:generation_tokens_total") == completion == 3 + 5 + 7 + 4
-    assert delta("troupe:time_to_first_token_seconds_count") == 4
-    assert delta("troupe:e2e_request_latency_seconds_count") == 4
-    assert delta("troupe:inter_token_latency_seconds_count") == completion - 4
-    assert after[("troupe:num_requests_running", ())] == 0
-    assert after[("troupe:num_requests_waiting", ())] == 0
-    assert 0.0 <= after[("troupe:kv_cache_usage_perc", ())] <= 1.0
+    assert delta("vllm:request_success_total", finished_reason="length") == 4
+    assert delta("vllm:request_success_total", finished_reason="abort") == 0
+    assert delta("vllm:prompt_tokens_total") == prompt
+    assert delta("vllm:generation_tokens_total") == completion == 3 + 5 + 7 + 4
+    assert delta("vllm:time_to_first_token_seconds_count") == 4
+    assert delta("vllm:e2e_request_latency_seconds_count") == 4
+    assert delta("vllm:inter_token_latency_seconds_count") == completion - 4
+    assert after[("vllm:num_requests_running", ())] == 0
+    assert after[("vllm:num_requests_waiting", ())] == 0
+    assert 0.0 <= after[("vllm:kv_cache_usage_perc", ())] <= 1.0

@@ -69,9 +69,9 @@ async def test_an_error_before_the_first_output_keeps_its_status(error: Exceptio
         assert resp.status_code == status
         assert resp.json()["error"]["message"]
         metrics = (await client.get("/metrics")).text
-        assert "troupe:request_success_total" in metrics
+        assert "vllm:request_success_total" in metrics
         assert all(line.endswith(" 0.0") for line in metrics.splitlines()
-                   if line.startswith("troupe:request_success_total"))
+                   if line.startswith("vllm:request_success_total"))
 
 
 async def test_an_error_mid_stream_is_an_sse_error_event() -> None:
@@ -84,7 +84,7 @@ async def test_an_error_mid_stream_is_an_sse_error_event() -> None:
         assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
         assert events[-1] == "[DONE]"
         metrics = (await client.get("/metrics")).text
-        assert 'troupe:request_success_total{finished_reason="error",model_name="fake"} 1.0' in metrics
+        assert 'vllm:request_success_total{engine="0",finished_reason="error",model_name="fake"} 1.0' in metrics
 
 
 async def asgi_call(app: Starlette, body: dict[str, Any], disconnect: anyio.Event) -> list[Message]:
@@ -126,8 +126,8 @@ async def test_a_client_disconnect_closes_the_engine_generator(stream: bool) -> 
         state = app.state.troupe
         assert state.num_in_flight == 0
         text = state.metrics.render().decode()
-        assert 'troupe:request_success_total{finished_reason="abort",model_name="fake"} 1.0' in text
-        assert 'troupe:num_requests_running{engine="0",model_name="fake"} 2.0' in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="fake"} 1.0' in text
+        assert 'vllm:num_requests_running{engine="0",model_name="fake"} 2.0' in text
 
 
 async def test_draining_refuses_new_work_and_abort_all_ends_streams() -> None:
@@ -159,7 +159,8 @@ _CHAT = {"messages": [{"role": "user", "content": "x"}]}
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "cache_salt": "salt"}, "cache_salt"),
     ({"prompt": "x", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    ({**_CHAT, "store": True}, "store"),
+    ({**_CHAT, "mm_processor_kwargs": {"num_crops": 4}}, "mm_processor_kwargs"),
+    ({"prompt": "x", "logits_processors": ["my.Processor"]}, "logits_processors"),
     ({**_CHAT, "modalities": ["text", "audio"]}, "modalities"),
     ({**_CHAT, "functions": [{"name": "f"}]}, "functions"),
 ])

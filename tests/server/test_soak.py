@@ -103,7 +103,7 @@ def wait_idle(url: str) -> str:
     deadline = time.monotonic() + 30
     while True:
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        if gauge(metrics, "troupe:num_requests_running") == 0 and gauge(metrics, "troupe:num_requests_waiting") == 0:
+        if gauge(metrics, "vllm:num_requests_running") == 0 and gauge(metrics, "vllm:num_requests_waiting") == 0:
             return metrics
         assert time.monotonic() < deadline, "the engine did not become idle"
         time.sleep(0.1)

@@ -1,8 +1,9 @@
 """`build_app`: the OpenAI-compatible Starlette app over an engine it is given.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`), `POST /v1/responses`
-with `GET` / `DELETE /v1/responses/{id}` (`responses_api.py`), `GET /v1/models`,
-`GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`, `GET /metrics`, and
+with `GET` / `DELETE /v1/responses/{id}` (`responses_api.py`), `GET /v1/models`, `GET /v1/models/{id}`,
+`GET /health`, `GET|POST /ping` (vLLM's, as /health), `GET /version`, `POST /tokenize`, `POST /detokenize`,
+`GET /tokenizer_info` (with `--enable-tokenizer-info-endpoint`), `GET /metrics` (`metrics.py`), and
 `GET /openapi.json` (the OpenAPI 3.1 document of all of them, built from the request and response
 Structs: `openapi.py`).
 
@@ -10,16 +11,22 @@ Structs: `openapi.py`).
    leaving it is the engine's usual shutdown cascade. The event-loop watchdog (`watchdog.py`) runs
    in the lifespan's task group.
 2. Pure ASGI middleware, outermost first: `X-Request-Id` (validated, or a fresh id; echoed on
-   every response), with `--allowed-hosts` the Host check, and, with an API key, Bearer
-   authentication on every path but `/health`. The HTTP edge below the app (header deadline, the
-   protocol's own 400s) is `edge.py`.
+   every response), with `--allowed-hosts` the Host check, CORS (Starlette's `CORSMiddleware` with
+   `--allowed-origins/-methods/-headers` and `--allow-credentials`, vLLM's defaults: any origin,
+   no credentials), and, with an API key, vLLM's authentication: paths under `/v1` need
+   `Authorization: Bearer <key>` (the scheme in any case; the key compared in constant time, by
+   SHA-256 digests so its length does not show), everything else (`/health`, `/metrics`,
+   `/tokenize`, ...) and CORS preflights (`OPTIONS`) are open. The HTTP edge below the app (header
+   deadline, the protocol's own 400s) is `edge.py`.
 3. Every error becomes an OpenAI error body through `errors.to_api_error`; unexpected ones are
    also re-raised to the server, which logs them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +38,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -101,16 +109,23 @@ class RequestIdMiddleware:
 
 
 class BearerAuthMiddleware:
-    """`Authorization: Bearer <api key>` on every path but `/health`; 401 otherwise."""
+    """`Authorization: Bearer <api key>` on paths under `/v1` (vLLM's scope), the scheme in any case;
+    401 otherwise. CORS preflights (`OPTIONS`) pass, as in vLLM."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = hashlib.sha256(api_key.encode()).digest()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.decode("latin-1").partition(" ")
+        given = hashlib.sha256(key.strip().encode("latin-1")).digest()
+        return secrets.compare_digest(given, self._expected) and scheme.lower() == "bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self._expected):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path = scope["path"].removeprefix(scope.get("root_path", ""))
+            if (path == "/v1" or path.startswith("/v1/")) and \
+                    not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                code="invalid_api_key")
                 return await _send_error(send, err)
@@ -150,6 +165,37 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def ping(request: Request) -> Response:
+    """vLLM's `/ping` (GET and POST, for SageMaker): the same answer as /health."""
+    return await health(request)
+
+
+async def model_card(request: Request) -> Response:
+    """`GET /v1/models/{id}`: one served name's card, or a 404 OpenAI error body."""
+    state = server_state(request)
+    name = state.check_model(request.path_params["model"])
+    llm = state.engine()
+    return json_response(ModelCard(id=name, created=state.created, owned_by="troupe", root=llm.config.model,
+                                   max_model_len=llm.max_model_len))
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's `/tokenizer_info`: `tokenizer_class`, the tokenizer's init kwargs (its special tokens,
+    `model_max_length`, ...: what a remote-tokenizer client such as lm-eval's reads) and the chat
+    template, all as JSON."""
+    llm = server_state(request).engine()
+    tok = llm.get_tokenizer()
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+    info.update(getattr(tok, "init_kwargs", {}) or {})
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tok, name, None)
+        if value is not None:
+            info[name] = str(value)
+    info["chat_template"] = getattr(tok, "chat_template", None)
+    info["model_max_length"] = llm.max_model_len
+    return json_response(json.loads(json.dumps(info, default=str)))  # a tokenizer's odd values as text
+
+
 async def version(request: Request) -> Response:
     return json_response(VersionResponse(version=importlib.metadata.version("troupe")))
 
@@ -166,7 +212,9 @@ async def models(request: Request) -> Response:
 async def openapi_endpoint(request: Request) -> Response:
     state = server_state(request)
     if state.openapi is None:  # built once, on first use
-        state.openapi = msgspec.json.encode(openapi_document(api_key=bool(state.settings.api_key)))
+        state.openapi = msgspec.json.encode(openapi_document(
+            api_key=bool(state.settings.api_key), tokenizer_info=state.settings.enable_tokenizer_info_endpoint,
+            model_names=list(state.settings.served_model_names)))
     return Response(state.openapi, media_type="application/json")
 
 
@@ -239,6 +287,7 @@ def build_app(settings: ServerSettings,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with open_engine() as llm, anyio.create_task_group() as tg:
             await tg.start(state.watchdog.run)
+            state.metrics.configure(llm.max_model_len, getattr(llm.config, "data_parallel_size", 1))
             state.llm = llm
             try:
                 yield
@@ -259,10 +308,19 @@ def build_app(settings: ServerSettings,
         Route("/detokenize", detokenize_endpoint, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+        # vLLM compatibility
+        Route("/v1/models/{model:path}", model_card, methods=["GET"]),
+        Route("/ping", ping, methods=["GET", "POST"]),
     ]
+    if settings.enable_tokenizer_info_endpoint:
+        routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))
     middleware = [Middleware(RequestIdMiddleware)]
     if settings.allowed_hosts:
         middleware.append(Middleware(AllowedHostsMiddleware, hosts=list(settings.allowed_hosts)))
+    middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                                 allow_methods=list(settings.allowed_methods),
+                                 allow_headers=list(settings.allowed_headers),
+                                 allow_credentials=settings.allow_credentials))
     if settings.api_key:
         middleware.append(Middleware(BearerAuthMiddleware, api_key=settings.api_key))
     handlers: dict[Any, Callable[[Request, Exception], Any]] = {

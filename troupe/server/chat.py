@@ -161,7 +161,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     modalities: list[str] | None = None
     audio: Any | None = None
     prediction: Any | None = None
-    store: bool | None = None
+    store: bool | None = None  # OpenAI's stored completions: nothing is stored, the answer is the same
     service_tier: str | None = None
 
     def requested_max_tokens(self) -> int | None:

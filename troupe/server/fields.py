@@ -7,7 +7,8 @@
   the same extra field does not flood the log).
 - `reject_unsupported(req)`: a 400 naming the first field troupe declares but cannot honour, when it
   is set to anything but its neutral value (`UNSUPPORTED`): such a request would otherwise get an
-  answer that silently differs from what it asked for.
+  answer that silently differs from what it asked for. Every request field of vLLM's server is
+  declared, so none of them is ever ignored: each is honoured or, when not neutral, refused.
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _none,
     "prediction": _none,
-    "store": _false,
     "service_tier": lambda v: v in (None, "auto", "default"),
     "guided_decoding_backend": lambda v: v in (None, "auto", "xgrammar"),
+    "logits_processors": _none_or_empty,
+    "mm_processor_kwargs": _none_or_empty,
+    "media_io_kwargs": _none_or_empty,
 }
 
 

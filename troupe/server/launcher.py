@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients use in `model` (default: the model argument)")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` (all but /health); default: $TROUPE_API_KEY, else "
+                   help="require `Authorization: Bearer KEY` on /v1/* (as vLLM); default: $TROUPE_API_KEY, else "
                         "$VLLM_API_KEY")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read the API key from this file (its first line), instead of the command line")
@@ -87,7 +88,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (refused otherwise, as vLLM)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    # vLLM compatibility: CORS (JSON lists, as vLLM's CLI takes them) and /tokenizer_info
+    g.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=["*"], metavar="JSON",
+                   help='CORS: origins allowed, a JSON list (default ["*"])')
+    g.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], metavar="JSON",
+                   help='CORS: methods allowed, a JSON list (default ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"], metavar="JSON",
+                   help='CORS: request headers allowed, a JSON list (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's config and chat template), as vLLM")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _json_list(flag: str) -> Any:
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]'; got {text!r}")
+        return value
+    return parse
 
 
 @dataclass
@@ -175,7 +198,10 @@ async def serve_async(args: argparse.Namespace, engine_options: dict[str, Any]) 
                               tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                               trust_request_chat_template=args.trust_request_chat_template,
                               reasoning_parser=args.reasoning_parser, chat_template=chat_template(args.chat_template),
-                              responses_store_size=args.responses_store_size)
+                              responses_store_size=args.responses_store_size,
+                              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     app = build_app(settings, lambda: AsyncLLM(**engine_options))
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -75,8 +75,11 @@ def _get(op_id: str, summary: str, ok: dict[str, Any], *errors: int) -> dict[str
     return {"get": {"operationId": op_id, "summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
-def openapi_document(*, api_key: bool = False) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of every endpoint (`api_key`: Bearer auth on all but /health)."""
+def openapi_document(*, api_key: bool = False, tokenizer_info: bool = False,
+                     model_names: list[str] | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every endpoint (`api_key`: Bearer auth on the /v1 paths, as vLLM;
+    `tokenizer_info`: the server has `/tokenizer_info`; `model_names`: the served names, the ids
+    `/v1/models/{model}` knows)."""
     _, schemas = msgspec.json.schema_components([*_REQUESTS, *_RESPONSES], ref_template=_REF)
     paths = {
         "/v1/completions": _generation("createCompletion", "Text completion", protocol.CompletionRequest,
@@ -94,6 +97,11 @@ def openapi_document(*, api_key: bool = False) -> dict[str, Any]:
                          {"description": "OK", "content": _json(responses.VersionResponse)}, 401),
         "/health": _get("health", "200 while the engine is alive and making progress",
                         {"description": "healthy (empty body)"}, 503),
+        "/v1/models/{model}": _get("retrieveModel", "One served model name's card",
+                                   {"description": "OK", "content": _json(responses.ModelCard)}, 401, 404, 503),
+        "/ping": {**_get("ping", "vLLM's /ping: as /health", {"description": "healthy (empty body)"}, 503),
+                  "post": {"operationId": "pingPost", "summary": "vLLM's /ping: as /health",
+                           "responses": {"200": {"description": "healthy (empty body)"}, **_errors(503)}}},
         "/metrics": _get("metrics", "Prometheus metrics",
                          {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
                          401),
@@ -101,6 +109,13 @@ def openapi_document(*, api_key: bool = False) -> dict[str, Any]:
                               {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}},
                               401),
     }
+    paths["/v1/models/{model}"]["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True,
+         "schema": {"type": "string", **({"enum": model_names} if model_names else {})}}]
+    if tokenizer_info:
+        paths["/tokenizer_info"] = _get("tokenizerInfo", "The tokenizer's class, special tokens and chat template",
+                                        {"description": "OK", "content": {"application/json": {
+                                            "schema": {"type": "object"}}}}, 503)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "troupe OpenAI-compatible server", "version": importlib.metadata.version("troupe")},
@@ -109,10 +124,10 @@ def openapi_document(*, api_key: bool = False) -> dict[str, Any]:
     }
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        doc["security"] = [{"bearer": []}]
-        paths["/health"]["get"]["security"] = []
-    else:  # nothing answers 401 without a key
-        for item in paths.values():
-            for op in item.values():
+    for path, item in paths.items():
+        for op in item.values():
+            if api_key and path.startswith("/v1/"):
+                op["security"] = [{"bearer": []}]
+            else:  # open paths (and every path without a key) never answer 401
                 op["responses"].pop("401", None)
     return doc

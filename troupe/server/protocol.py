@@ -1,9 +1,12 @@
 """OpenAI / vLLM request bodies as msgspec Structs, and their mapping to `SamplingParams`.
 
-Decoding is strict about types and ranges (`Meta`, the ranges `SamplingParams` checks, published in
-`/openapi.json`): a wrong type or an out-of-range value is a 400 naming the field. Keys a Struct does
-not declare are ignored with a warning (`fields.unknown_fields`), as vLLM's server does; declared
-fields troupe cannot honour are a 400 unless neutral (`fields.reject_unsupported`).
+Decoding checks types and ranges (`Meta`, the ranges `SamplingParams` checks, published in
+`/openapi.json`): a wrong type or an out-of-range value is a 400 naming the field. Like vLLM's
+pydantic models, an integer field takes an integral float (`"max_tokens": 5.0`,
+`serving.integral_floats_as_ints`); `5.5` stays a 400, and so does a string for a number.
+Keys a Struct does not declare are ignored with a warning (`fields.unknown_fields`), as vLLM's server
+does for keys it does not know either; vLLM's own request fields are all declared, and those troupe
+cannot honour are a 400 unless neutral (`fields.reject_unsupported`).
 
 `sampling_params(defaults)` builds the request's `SamplingParams`: DELTA outputs when streaming,
 FINAL_ONLY otherwise; what the request leaves unset comes from `defaults` (the model's
@@ -74,7 +77,7 @@ class StructuredOutputsRequest(msgspec.Struct, kw_only=True, omit_defaults=True)
 
 
 _STRUCTURED = ("structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar")
+               "guided_grammar", "structural_tag")
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
@@ -118,7 +121,10 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     session_id: str | None = None  # a routing hint in vLLM; accepted and not used
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None  # the last k; -1: max_model_len
+    structural_tag: str | None = None  # vLLM's older top-level structural tag (its JSON text)
     # declared so that neutral values pass; anything else is a 400 (fields.UNSUPPORTED)
+    best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float | None = None
     logprob_token_ids: list[int] | None = None
@@ -132,6 +138,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     watermarking: bool | None = None
     routed_experts_prompt_start: int | None = None
     truncation_side: str | None = None
+    logits_processors: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -180,7 +189,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
                     raise bad_request("response_format.json_schema", "type json_schema needs json_schema.schema")
                 found.append(("response_format", {"json": rf.json_schema.schema}))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+                          ("guided_grammar", "grammar"), ("structural_tag", "structural_tag")):
             value = getattr(self, name)
             if value is not None:
                 found.append((name, {key: value}))
@@ -232,6 +241,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
             prompt_logprobs=self.prompt_logprobs_wanted(), logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             structured_outputs=self.structured_outputs_params(limits),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         kw.update({k: v for k, v in optional.items() if v is not None})  # set only: see the module docstring
         return SamplingParams(**kw)
@@ -270,7 +280,6 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     echo: bool = False
     logprobs: NumLogprobs | None = None
     add_special_tokens: bool = True
-    best_of: int | None = None
     suffix: str | None = None
     prompt_embeds: Any | None = None
 

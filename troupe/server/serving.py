@@ -48,6 +48,7 @@ from troupe.tools.reasoning import ReasoningParser, reasoning_parser
 
 T = TypeVar("T")
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+_INT_GOT_FLOAT = re.compile(r"Expected `[^`]*\bint\b[^`]*`, got `float`")
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
 OFFLOAD_CHARS = 4096  # render / tokenize longer texts in a worker thread
 OFFLOAD_BODY_BYTES = 65_536  # decode larger bodies in a worker thread
@@ -101,7 +102,12 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
 
     def decode() -> tuple[T, list[str]]:
         try:
-            result: T = decoder.decode(body)
+            try:
+                result: T = decoder.decode(body)
+            except msgspec.ValidationError as exc:
+                if not _INT_GOT_FLOAT.search(str(exc)):
+                    raise
+                result = decoder.decode(integral_floats_as_ints(body))  # 5.0 for an int, as vLLM's pydantic
         except RecursionError:
             raise bad_request(None, "the request body nests objects or arrays too deeply") from None
         return result, unknown_fields(body, kind)
@@ -111,6 +117,23 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     if ignored:
         warn_ignored(ignored, request.scope["state"]["request_id"])
     return result
+
+
+def integral_floats_as_ints(body: bytes) -> bytes:
+    """The JSON `body` with every integral float (5.0) written as an integer (5): vLLM's pydantic
+    models take 5.0 for an integer field, msgspec does not; 5.5 stays a float (and a 400 for an
+    integer field). Used only when the body failed to decode on such a float."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:  # beyond: no int64 anyway
+            return int(value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    return msgspec.json.encode(walk(msgspec.json.decode(body)))
 
 
 async def offload(size: int, fn: Callable[[], T]) -> T:
@@ -156,7 +179,8 @@ async def create_completion(request: Request) -> Response:
     params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
     prompts = req.prompts()
     tok = llm.get_tokenizer()
-    texts = [p if isinstance(p, str) else None for p in prompts]
+    truncated = req.truncate_prompt_tokens is not None  # echo then shows the tokens served, decoded
+    texts = [p if isinstance(p, str) and not truncated else None for p in prompts]
     if not req.add_special_tokens:  # the engine would add them: tokenize here
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -164,7 +188,7 @@ async def create_completion(request: Request) -> Response:
     base = request_id(request, req.request_id)
     ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
     sources = [state.follow(rid, params.output_kind, arrival,
-                            llm.generate(p, params.clone(), rid, priority=req.priority))
+                            llm.generate(p, params.clone(), rid, priority=req.priority), params=params)
                for p, rid in zip(prompts, ids, strict=True)]
     fmt = CompletionFormat(req, texts, tok, f"cmpl-{base}", model, int(time.time()))
     if req.stream:
@@ -223,7 +247,8 @@ async def start_chat(request: Request, req: ChatCompletionRequest, arrival: floa
 
     prompt = {"prompt_token_ids": await offload(size, prompt_ids)}
     base = request_id(request, req.request_id)
-    source = state.follow(base, params.output_kind, arrival, llm.generate(prompt, params, base, priority=req.priority))
+    source = state.follow(base, params.output_kind, arrival, llm.generate(prompt, params, base, priority=req.priority),
+                          params=params)
     return ChatRun(req, source, tok, model, base, tools,
                    reasoning if params.structured_outputs is None else None)
 

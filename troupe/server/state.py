@@ -72,6 +72,12 @@ class ServerSettings:
     reasoning_parser: str | None = None  # splits <think> reasoning off the output (troupe.tools.reasoning)
     chat_template: str | None = None  # the server-wide chat template (--chat-template), over the model's
     responses_store_size: int = 256  # stored Responses API answers kept (oldest dropped first)
+    # vLLM's CORS flags (Starlette's CORSMiddleware; the defaults are vLLM's) and /tokenizer_info
+    allowed_origins: Sequence[str] = ("*",)
+    allowed_methods: Sequence[str] = ("*",)
+    allowed_headers: Sequence[str] = ("*",)
+    allow_credentials: bool = False
+    enable_tokenizer_info_endpoint: bool = False
 
     @property
     def model_name(self) -> str:
@@ -129,15 +135,17 @@ class ServerState:
                 del self._in_flight[request_id]
 
     async def follow(self, request_id: str, kind: RequestOutputKind, arrival: float,
-                     outputs: AsyncGenerator[RequestOutput]) -> AsyncGenerator[RequestOutput]:
+                     outputs: AsyncGenerator[RequestOutput], *,
+                     params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput]:
         """`outputs` of one request, tracked; closing this generator closes (aborts) the request.
         A request that failed on its own (finish_reason "error") raises `EngineGenerateError` with
         its error text instead of yielding its final output: the client gets an error, not a
         truncated answer. When the failure was the request's own fault (`RequestOutput.error_kind`
         "invalid_request", e.g. allowed_token_ids, bad_words, min_tokens and the grammar leaving no token
-        to sample), it raises `InvalidInputError` instead: a 400 naming them, not a 500."""
+        to sample), it raises `InvalidInputError` instead: a 400 naming them, not a 500. `params`
+        (the request's) feed the `vllm:request_params_*` histograms."""
         async with aclosing(outputs):
-            with self._registered(request_id), self.metrics.track(kind, arrival) as record:
+            with self._registered(request_id), self.metrics.track(kind, arrival, params) as record:
                 async for out in outputs:
                     record.observe(out)
                     if out.finished and any(c.finish_reason == "error" for c in out.outputs):
