@@ -96,14 +96,14 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 @pytest.mark.parametrize("fused_max_m", [-1, 0], ids=["fused", "per_expert"])
 @pytest.mark.parametrize("q8", [False, True], ids=["exact", "q8"])
 def test_fused_moe_matches_reference(bound: tuple, threads: int, fused_max_m: int, q8: bool) -> None:
-    """Every routing, on the fused path (work items split to one per thread: grain 1) and with every expert
+    """Every routing, on the fused path (work items split to one per thread: min_blocks 1) and with every expert
     on the per-expert projection calls: within float32 summation error of `grouped_experts` on the same
     kernel set (the same projection kernels), and of the float64 reference with float32 activations; with
     8-bit activations within twice a projection's q8 tolerance (tests/kernels/test_cpu_linear.py: two
     chained projections, each quantizing its input)."""
     qtype, ops, grouped, wants = bound
     op = ops[q8]
-    op.fused_max_m, op.grain = fused_max_m, 1
+    op.fused_max_m, op.min_blocks = fused_max_m, 1
     tol = 4e-2 if q8 and qtype != QType.F32 else 2e-5
     try:
         for name in ROUTINGS:
@@ -115,7 +115,7 @@ def test_fused_moe_matches_reference(bound: tuple, threads: int, fused_max_m: in
             if threads == 1:  # (the grouped op's many small parallel regions are slow on a loaded machine)
                 assert rel_err(got, grouped[q8](x, ids, w)) < 2e-5, f"{qtype.name} {name}: differs from grouped"
     finally:
-        op.fused_max_m, op.grain = -1, -1
+        op.fused_max_m, op.min_blocks = -1, -1
 
 
 def test_dense_experts_and_fallback(sets: dict[bool, object]) -> None:

@@ -3,8 +3,9 @@
 One MoE layer's routed experts of a realistic shape (default: 16 experts, top-2, hidden 1024,
 intermediate 2816, Q4_K blocks; `--layers` copies with their own weights, called back to back as a
 decode step does, so the blocks stream from memory rather than sit in the cache), at each step size T of
-`--tokens` (default 1 and 16), with a fresh random routing per call (the same sequence for every
-candidate). Candidates, taking turns round by round so that each sees the same machine load:
+`--tokens` (default 1 and 16), with a fresh random routing per call (so that no candidate finds the
+experts its predecessor just loaded in the cache). Candidates, taking turns round by round (in rotating
+order) so that each sees the same machine load:
 
 - `grouped`: `troupe.kernels.moe.grouped_experts` over the cpu set's `linear` (what `KernelSet.moe`
   builds): one projection call per active expert and projection, each threaded over its rows, SiLU x up
@@ -73,19 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, h, generator=g)
         routings = []
-        for _ in range(8):
+        for _ in range(64):
             ids = torch.rand(T, E, generator=g).topk(args.top_k, dim=-1).indices  # (T, k) distinct experts
             w = torch.rand(T, args.top_k, generator=g) + 0.1
             routings.append((ids, (w / w.sum(-1, keepdim=True)).float()))
         times: dict[str, list[float]] = {name: [] for name in candidates}
+        names = list(candidates)
+        calls = 0  # every call takes the next routing: no candidate finds the experts its predecessor loaded
         for r in range(args.rounds + 2):  # two warm-up rounds
-            for name, ops in candidates.items():
+            for c in range(len(names)):
+                name = names[(r + c) % len(names)]  # each candidate first as often as the others
                 start = time.perf_counter()
-                for i, op in enumerate(ops):
-                    ids, w = routings[(r + i) % len(routings)]
+                for op in candidates[name]:
+                    ids, w = routings[calls % len(routings)]
+                    calls += 1
                     op(x, ids, w)
                 if r >= 2:
-                    times[name].append((time.perf_counter() - start) * 1e3 / len(ops))
+                    times[name].append((time.perf_counter() - start) * 1e3 / len(candidates[name]))
         med = {name: statistics.median(ts) for name, ts in times.items()}
         cols = "  ".join(f"{name} {ms:.3f} ms" for name, ms in med.items())
         print(f"T={T:<4} {cols}  grouped/fused {med['grouped'] / med['fused']:.2f}x")

@@ -43,7 +43,7 @@ def as_blocks(weight: Weight) -> tuple[torch.Tensor, int] | None:
 class FusedMoe:
     """The op (see the module docstring) over the experts' blocks, bound once."""
 
-    __slots__ = ("gate_up", "down", "qtype_gate_up", "qtype_down", "q8", "fused_max_m", "grain")
+    __slots__ = ("gate_up", "down", "qtype_gate_up", "qtype_down", "q8", "fused_max_m", "min_blocks")
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], qtype_gate_up: int, qtype_down: int,
                  q8: bool) -> None:
@@ -51,13 +51,13 @@ class FusedMoe:
         self.qtype_gate_up, self.qtype_down = qtype_gate_up, qtype_down
         self.q8 = q8
         self.fused_max_m = -1  # experts with up to this many tokens fused (-1: the kernel's own limit; 0: none)
-        self.grain = -1  # work items per thread at least (-1: by the work; tests set 1 to split tiny shapes)
+        self.min_blocks = -1  # weight blocks per thread at least (-1: the kernel's own; tests set 1 to split tiny shapes)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # (T, h)
         dtype = x.dtype
         y = torch.ops.troupe_moe.moe(x if dtype == torch.float32 else x.float(), ids, weights.float(), self.gate_up,
                                      self.down, self.qtype_gate_up, self.qtype_down, self.q8, self.fused_max_m,
-                                     self.grain)
+                                     self.min_blocks)
         return y if dtype == torch.float32 else y.to(dtype)
 
 

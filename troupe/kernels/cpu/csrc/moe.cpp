@@ -9,12 +9,13 @@
 //
 // Experts with at most FUSED_MAX_M tokens (decode: T = 1, k = 2 gives two experts of one token) run fused,
 // on the float rows kernel of the projections (qmatmul_rows.h, in passes of 4 rows):
-// - pass 1: work items are (expert, chunk of CHUNK gate rows); one item computes those gate rows and the
+// - pass 1: work items are (expert, run of gate rows), the runs sized for about ITEMS_PER_THREAD items per
+//   thread over all fused experts (item_rows: long runs stream best); one item computes its gate rows and the
 //   matching up rows for the expert's tokens and writes silu(gate) * up straight into the expert's
 //   activation rows. One parallel region over all active experts' items: a decode step with two active
 //   experts spreads them over every thread, where one projection call per expert would split each
 //   expert's rows over the threads with a barrier between calls (and a third call for SiLU x up);
-// - pass 2: the same over (expert, chunk of down rows), into each pair's output row;
+// - pass 2: the same over (expert, run of down rows), into each pair's output row;
 // - the weighted sum: each token's rows added in expert order (transformers' order), out written once.
 // Experts with more tokens (prefill) run one projection call each through the dispatcher
 // (troupe_qmm::linear / linear_q8: the by-M choice, the panel GEMM or the integer GEMM), SiLU x up
@@ -69,7 +70,7 @@ using namespace troupe_quant;
 // Work items hold multiples of CHUNK weight rows: whole rows-kernel groups (R = 2 or 4); h and f are
 // multiples of 32 (the blocks' K), so every item is whole.
 constexpr int64_t CHUNK = 32;
-constexpr int64_t ITEMS_PER_THREAD = 4;
+constexpr int64_t ITEMS_PER_THREAD = 8;
 // Tokens up to which an expert runs fused: qmatmul.cpp's ROWS_PATH_MAX_M (the rows path's measured reach).
 #if defined(__AVX512F__)
 constexpr int64_t FUSED_MAX_M = 12;
@@ -142,6 +143,24 @@ inline int64_t item_rows(int64_t rows, int64_t experts) {
   return std::min(rows, std::max<int64_t>(CHUNK, (per + CHUNK - 1) / CHUNK * CHUNK));
 }
 
+// body(i) for every item i < n, the items split into one contiguous run per thread of about equal total
+// cost(i) (experts of different token counts cost differently), on as many threads as have at least
+// `min_cost` each
+template <class Cost, class Body>
+void balanced_for(int64_t n, int64_t min_cost, const Cost& cost, const Body& body) {
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  const int64_t total = prefix[n];
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>({at::get_num_threads(), n, total / std::max<int64_t>(1, min_cost)}));
+  auto first = [&](int64_t t) {  // the first item of run t: its start is at or past t / nt of the total
+    return t >= nt ? n : std::lower_bound(prefix.begin(), prefix.begin() + n, total * t / nt) - prefix.begin();
+  };
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = first(t), end = first(t + 1); i < end; ++i) body(i);
+  });
+}
+
 struct Expert {
   int64_t e;      // expert index
   int64_t start;  // first of its pairs in the sorted order
@@ -150,7 +169,7 @@ struct Expert {
 
 Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const std::vector<Tensor>& gate_up,
            const std::vector<Tensor>& down, int64_t qtype_gate_up, int64_t qtype_down, bool q8, int64_t fused_max_m,
-           int64_t grain) {
+           int64_t min_blocks) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "troupe_moe: x must be (T, h) float32");
   TORCH_CHECK(ids_in.scalar_type() == at::kLong && ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0),
               "troupe_moe: ids must be (T, k) int64");
@@ -215,33 +234,37 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
     float* actp = act.data_ptr<float>();
     const int64_t f_rows = item_rows(f, nf), h_rows = item_rows(h, nf);
     const int64_t f_items = (f + f_rows - 1) / f_rows, h_items = (h + h_rows - 1) / h_rows;  // per expert
-    auto grain_for = [&](int64_t blocks_per_item) {
-      return grain > 0 ? grain : std::max<int64_t>(1, rows::MIN_BLOCKS_PER_THREAD / std::max<int64_t>(1, blocks_per_item));
-    };
+    if (min_blocks < 0) min_blocks = rows::MIN_BLOCKS_PER_THREAD;
+    // an item's cost: its weight blocks, streamed once per pass and multiplied into each token
+    auto cost = [&](const Expert& ex, int64_t blocks) { return blocks * (2 * ((ex.n + PASS_M - 1) / PASS_M) + ex.n) / 3; };
     const int64_t rb_gu = gate_up[0].size(1), rb_dn = down[0].size(1);
     dispatch(qtype_gate_up, [&](auto q) {
       constexpr int Q = decltype(q)::value;
-      at::parallel_for(0, nf * f_items, grain_for(2 * f_rows * (h / Fmt<Q>::QK)), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
+      const int64_t item_blocks = 2 * f_rows * (h / Fmt<Q>::QK);
+      balanced_for(nf * f_items, min_blocks, [&](int64_t i) { return cost(fused[i / f_items], item_blocks); },
+                   [&](int64_t i) {
           const Expert& ex = fused[i / f_items];
           const int64_t n0 = i % f_items * f_rows, n1 = std::min(f, n0 + f_rows);
           const uint8_t* w = gate_up[ex.e].data_ptr<uint8_t>();
           float* g = gup + ex.start * 2 * f;
-          chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, n0, n1, g);          // gate rows
-          chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, f + n0, f + n1, g);  // up rows
+          if (n1 - n0 == f) {  // the whole expert: gate and up rows in one stream
+            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, 0, 2 * f, g);
+          } else {
+            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, n0, n1, g);          // gate rows
+            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, f + n0, f + n1, g);  // up rows
+          }
           for (int64_t m = 0; m < ex.n; ++m)
             troupe_moe_silu::silu_mul(g + m * 2 * f + n0, g + m * 2 * f + f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
-        }
       });
     });
     dispatch(qtype_down, [&](auto q) {
       constexpr int Q = decltype(q)::value;
-      at::parallel_for(0, nf * h_items, grain_for(h_rows * (f / Fmt<Q>::QK)), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
+      const int64_t item_blocks = h_rows * (f / Fmt<Q>::QK);
+      balanced_for(nf * h_items, min_blocks, [&](int64_t i) { return cost(fused[i / h_items], item_blocks); },
+                   [&](int64_t i) {
           const Expert& ex = fused[i / h_items];
           const int64_t n0 = i % h_items * h_rows, n1 = std::min(h, n0 + h_rows);
           chunk_rows<Q>(actp + ex.start * f, ex.n, f, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1, yp + ex.start * h);
-        }
       });
     });
   }
@@ -270,8 +293,9 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
 
 TORCH_LIBRARY(troupe_moe, m) {
   // fused_max_m: experts with up to this many tokens run fused (-1: FUSED_MAX_M; 0: none, for tests and the
-  // benchmark); grain: work items per thread at least (-1: by the work, for tests: 1)
+  // benchmark); min_blocks: weight blocks a thread gets at least before another is woken (-1: the rows
+  // path's own minimum; tests: 1, to split tiny shapes)
   m.def("moe(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int qtype_gate_up, "
-        "int qtype_down, bool q8, int fused_max_m, int grain) -> Tensor",
+        "int qtype_down, bool q8, int fused_max_m, int min_blocks) -> Tensor",
         &troupe_moe::moe);
 }
