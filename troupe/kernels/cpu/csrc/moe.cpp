@@ -29,7 +29,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>
