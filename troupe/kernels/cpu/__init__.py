@@ -3,7 +3,7 @@
 Compiled: projections and the embedding lookup on GGUF blocks (`linear`, csrc/qmatmul*.cpp; with
 `quantize_activations`, 8-bit activations; dense weights keep the eager set's packed float32
 projection), paged attention over the pool in place (`attention`), RMSNorm, residual add + RMSNorm,
-SiLU x up, and rotary + the KV write (`fused`). The class extends `EagerKernels` for what the compiled
+SiLU x up, and rotary + the KV write (`fused`), a MoE layer's routed experts (`moe`). The class extends `EagerKernels` for what the compiled
 ops do not replace. No decode row cache: attention reads the pool where it is.
 
 The KV pool is the set's own. Layout: V `(num_blocks, KVH, block_size, D)` (`kv_cache_shape`), K
@@ -35,10 +35,12 @@ from troupe.kernels.base import (
 )
 from troupe.kernels.cpu import fused, stack
 from troupe.kernels.cpu import linear as qlinear
+from troupe.kernels.cpu import moe as cmoe
 from troupe.kernels.cpu.arena import WeightArena
 from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
 from troupe.kernels.cpu.build import BuildError, load_ops
 from troupe.kernels.eager import EagerKernels
+from troupe.kernels.moe import MoeOp
 from troupe.kernels.quant import Weight
 
 EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ sources
@@ -46,6 +48,7 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ source
     "qmm": qlinear.SOURCES,
     "attention": ("attention.cpp", "attention_decode.cpp", "attention_prefill.cpp"),
     "fused": ("fused.cpp",),
+    "moe": cmoe.SOURCES,  # calls qmm's and fused's ops through the dispatcher
     "stack": stack.SOURCES,  # loads last: its op calls the others' through the dispatcher
 }
 KV_DTYPES = {"auto": torch.float16, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -77,6 +80,12 @@ class CpuKernels(EagerKernels):
 
     def embedding(self, table: Weight) -> EmbeddingOp:
         return qlinear.embedding(table)
+
+    def moe(self, gate_up: Sequence[Weight], down: Sequence[Weight]) -> MoeOp:
+        """The experts in one compiled call on their blocks (`moe.py`); `grouped_experts` where it does not
+        apply (experts of mixed formats, rows that are not whole blocks)."""
+        op = cmoe.fused_moe(gate_up, down, self.quantize_activations, self.arena)
+        return op if op is not None else super().moe(gate_up, down)
 
     # ------------------------------------------------------------------ the KV pool
 
