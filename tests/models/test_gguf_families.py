@@ -1,11 +1,12 @@
-"""GGUF files of Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE, written as llama.cpp's converter writes them, against
-transformers on the same weights.
+"""GGUF files of Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMo 2 and Granite, written as
+llama.cpp's converter writes them, against transformers on the same weights.
 
 Each model is a tiny random-weight transformers model (as tests/models/test_families.py builds them),
 written here as a GGUF the way `convert_hf_to_gguf.py` does: tensor names from the gguf package's own map
 (`gguf.get_tensor_name_map`), metadata through `GGUFWriter`'s key writers, Gemma's norm weights stored as
 `1 + w`, Phi-3's fused `attn_qkv` / `ffn_up` and its longrope factors as `rope_factors_long/short`
-tensors, yarn as `rope.scaling.*` keys, and none of q/k permuted. The quantized variants hold every matrix in Q8_0
+tensors, yarn as `rope.scaling.*` keys, Granite's multipliers as its `*_scale` keys, and q/k permuted only
+where the converter's class is LlamaModel's (Mixtral, Granite; OLMo 2's Olmo2Model is not). The quantized variants hold every matrix in Q8_0
 (`gguf.quants.quantize`); transformers then runs on the gguf package's dequantization of those blocks
 (`gguf.quants.dequantize`), so both sides compute with the same values. troupe loads the file (blocks kept)
 through `EngineCore` on the eager and the cpu kernel sets and must give transformers' greedy tokens.
@@ -66,6 +67,11 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str, list[list[int]]]] = {
     "phi3-partial-longrope-F32": ("phi3", "Phi3Config", dict(
         partial_rotary_factor=0.5, max_position_embeddings=256, original_max_position_embeddings=32,
         rope_parameters=LONGROPE), "F32", SHORT),
+    # OLMo 2: norms after each branch, q/k norms over all heads; Granite: Llama's layout (q/k permuted) plus
+    # four multipliers (residual 0.22 is not a float32: the key gives it back as the decimal it came from)
+    "olmo2-F32": ("olmo2", "Olmo2Config", {}, "F32", WINDOWED),
+    "granite-Q8_0": ("granite", "GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                      attention_multiplier=0.1, logits_scaling=8.0), "Q8_0", WINDOWED),
 }
 
 
@@ -115,7 +121,12 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if arch == "qwen2moe":
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("qwen3", "qwen2moe", "qwen3moe", "llama"):
+    if arch == "granite":  # convert_hf_to_gguf's GraniteModel: each multiplier where non-zero
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    if arch in ("qwen3", "qwen2moe", "qwen3moe", "llama", "olmo2", "granite"):
         writer.add_rope_freq_base(rope["rope_theta"])
         if rope.get("rope_type") == "yarn":  # convert_hf_to_gguf's TextModel.set_gguf_parameters
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -170,7 +181,7 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
             gname = names.get_name(pname, try_suffixes=(".weight", ".bias"))
             assert gname is not None, pname
             w = p.detach().float().numpy()
-            if arch == "llama" and pname.endswith(("q_proj.weight", "k_proj.weight")):  # the converter's permute
+            if arch in ("llama", "granite") and pname.endswith(("q_proj.weight", "k_proj.weight")):  # LlamaModel's permute
                 n = heads if "q_proj" in pname else cfg.num_key_value_heads
                 w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
                 if fmt != "F32":  # the dequantized values go back in the HF layout below
@@ -224,6 +235,7 @@ def troupe_greedy(path: Path, kernels: str, batch: list[list[int]]) -> list[list
 
 
 _BUILT: dict[str, tuple[Path, list[list[int]], dict[str, Any]]] = {}
+_WEIGHTS: dict[str, dict[str, torch.Tensor]] = {}  # case -> the HF model's parameters (the file's values)
 
 
 def built(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], dict[str, Any]]:
@@ -234,6 +246,7 @@ def built(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, li
         model = hf_model(name)
         path = write_gguf(model, arch, fmt, tmp_path_factory.mktemp(name) / "model.gguf")
         _BUILT[name] = path, hf_greedy(model, prompts), {**model.config.to_dict(), "architectures": [type(model).__name__]}
+        _WEIGHTS[name] = {k: v.detach().clone() for k, v in model.named_parameters()}
     return _BUILT[name]
 
 
@@ -271,6 +284,28 @@ def test_gguf_family_greedy_equals_transformers(case: tuple[str, Path, list[list
         pytest.skip("no AVX2/FMA/F16C CPU or no C++ compiler here")
     name, path, want = case
     assert troupe_greedy(path, kernels, CASES[name][4]) == want
+
+
+@pytest.mark.parametrize("name", ["granite-Q8_0", "olmo2-F32", "qwen3-F32"])
+def test_gguf_weights_are_the_hf_parameters(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every parameter of the HF model is served under its name with its values: q/k rows back in the HF
+    layout where the converter permuted them (Granite), as stored where it did not (OLMo 2, Qwen3), the post
+    norms under OLMo 2's names. (Greedy tokens of a tiny random model barely depend on which rows rotate
+    together; this checks the layout itself.)"""
+    from troupe.kernels.quant import QuantizedTensor
+    from troupe.models.gguf import GGUFWeights, gguf_arch
+
+    path = built(name, tmp_path_factory)[0]
+    with GGUFFile(path) as f:
+        _, arch = gguf_arch(f)
+        weights = GGUFWeights(f, arch)
+        want = _WEIGHTS[name]
+        for pname, p in want.items():
+            got = weights.get(pname, tuple(p.shape))
+            if isinstance(got, QuantizedTensor):
+                got = got.dequantize()
+            torch.testing.assert_close(got, p, rtol=0, atol=1e-6, msg=pname)
+        assert weights.unused(set(want)) == []
 
 
 def test_quantized_fused_projections_stay_in_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -369,3 +404,20 @@ def test_gemma3_context_is_not_stretched_by_its_rope_scaling(tmp_path_factory: p
         assert f.metadata["gemma3.rope.scaling.factor"] == 4.0
         stated = f.metadata["gemma3.context_length"]
     assert read_model_info(path).max_model_len == stated
+
+
+def test_olmo3_window_is_refused_and_granite_scales_default() -> None:
+    """An `olmo2` file with a sliding window (Olmo 3) is a ModelLoadError naming the key; a `granite` file
+    without its scale keys (the converter skips zeros) runs neutral: no embedding / residual / logit scale,
+    attention scaled by head_dim ** -0.5 as llama.cpp does."""
+    from troupe.models.arch import ModelArch
+
+    base = {"embedding_length": 64, "attention.head_count": 4, "feed_forward_length": 128, "block_count": 2,
+            "attention.layer_norm_rms_epsilon": 1e-6}
+    olmo = {"general.architecture": "olmo2", **{f"olmo2.{k}": v for k, v in base.items()}}
+    assert gguf_config(olmo, set())["architectures"] == ["Olmo2ForCausalLM"]
+    with pytest.raises(ModelLoadError, match="olmo2.attention.sliding_window"):
+        gguf_config({**olmo, "olmo2.attention.sliding_window": 4096}, set())
+    granite = {"general.architecture": "granite", **{f"granite.{k}": v for k, v in base.items()}}
+    arch = ModelArch.from_hf_config({**gguf_config(granite, set()), "vocab_size": 256})
+    assert (arch.embed_scale, arch.residual_scale, arch.logit_scale, arch.attn_scale) == (1.0, 1.0, 1.0, 16 ** -0.5)

@@ -3,7 +3,8 @@ block formats (`troupe.kernels.quant.QuantizedTensor`) or expanded to float32.
 
 1. `gguf_config(metadata, tensor_names)` (`troupe.models.gguf_config`) turns llama.cpp's keys into the HF
    `config.json` dict the same model would have, so `ModelArch.from_hf_config` checks it like any folder's
-   (GGUF architectures `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`).
+   (GGUF architectures `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3`, `qwen2moe`, `qwen3moe`,
+   `olmo2`, `granite`).
 2. `gguf_arch(file)` adds what only the tensors say: Llama 3's rope scaling as a `rope_freqs` tensor of
    per-frequency divisors (`rope_scaling = {"rope_type": "factors", ...}`), Phi-3's longrope factors
    (`rope_factors_long` / `rope_factors_short`); and two facts of llama.cpp's layout: Gemma's norm weights
@@ -15,7 +16,7 @@ block formats (`troupe.kernels.quant.QuantizedTensor`) or expanded to float32.
    (or, with `dequantize=True`, expanded to float32: the reference mode), any other GGML type expanded by
    the gguf package with one warning. A fused `attn_qkv` (Phi-3) is served as q/k/v and a fused `ffn_up`
    without an `ffn_gate` as gate/up (its first and second half), row slices of the blocks.
-4. llama.cpp's converter permutes the rows of Llama's q and k projections (pairs interleaved per head, for
+4. llama.cpp's converter permutes the rows of Llama's (and Granite's) q and k projections (pairs interleaved per head, for
    its rotary); `get` undoes it, for a quantized weight by moving whole block rows (nothing is expanded).
    The other architectures are not permuted (llama.cpp rotates them in the HF layout). A partial rotary
    embedding (Phi-4-mini) gets q and k expanded to float32: the model reorders their rows per head.
@@ -34,7 +35,12 @@ import torch
 from troupe.errors import ModelLoadError
 from troupe.kernels.quant import QType, QuantizedTensor, Weight
 from troupe.models.arch import ModelArch
-from troupe.models.gguf_config import GEMMA_ARCHITECTURES, PERMUTED_ARCHITECTURES, gguf_config
+from troupe.models.gguf_config import (
+    GEMMA_ARCHITECTURES,
+    PERMUTED_ARCHITECTURES,
+    POST_NORM_ARCHITECTURES,
+    gguf_config,
+)
 from troupe.models.gguf_file import GGUFFile
 
 log = structlog.get_logger("troupe.models")
@@ -55,7 +61,7 @@ LAYER_NAMES = {  # GGUF block tensor -> HF module, under blk.N / model.layers.N
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-GEMMA_LAYER_NAMES = {  # the sandwich norms: llama.cpp's ffn_norm is the norm before the MLP
+POST_LAYER_NAMES = {  # Gemma's sandwich / OLMo 2's post norms: llama.cpp's ffn_norm is the norm before the MLP
     **LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -70,7 +76,7 @@ def is_gguf(path: str | Path) -> bool:
 
 def layer_names(arch: str) -> dict[str, str]:
     """GGUF block tensor -> HF module of GGUF architecture `arch`."""
-    return GEMMA_LAYER_NAMES if arch in GEMMA_ARCHITECTURES else LAYER_NAMES
+    return POST_LAYER_NAMES if arch in POST_NORM_ARCHITECTURES else LAYER_NAMES
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:

@@ -4,7 +4,12 @@ llama.cpp's converter (`convert_hf_to_gguf.py`) writes the hyper-parameters unde
 (`qwen3.block_count`, `gemma2.attn_logit_softcapping`, `phi3.rope.scaling.original_context_length`, ...);
 this module turns them back into the config transformers would read, so the family parsers
 (`troupe.models.families`) check and run a GGUF exactly as the same model's folder. GGUF architectures:
-`llama` (Llama, Mistral), `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3` (the text model).
+`llama` (Llama, Mistral, Mixtral), `qwen2`, `qwen3`, `phi3`, `gemma2`, `gemma3` (the text model), `qwen2moe`,
+`qwen3moe`, `olmo2` (OLMo 2; an Olmo 3 file, `olmo2` with a sliding window, is refused), `granite` (Granite 3:
+its `embedding_scale`, `residual_scale`, `attention.scale` and `logit_scale` keys are the config's
+`embedding_multiplier`, `residual_multiplier`, `attention_multiplier` and `logits_scaling`, each written by
+the converter only where non-zero; a missing one is neutral, the attention scale then `head_dim ** -0.5`,
+as llama.cpp runs it).
 
 What llama.cpp does not store it fixes per architecture (`llama-model.cpp`), and so does troupe
 (`_FAMILY_CONFIG`): Gemma's activation (GELU, tanh), its default soft-caps (Gemma 2: 50 and 30) and
@@ -21,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from troupe.errors import ModelLoadError
 
 GGUF_ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
@@ -32,9 +39,12 @@ GGUF_ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "granite": ("GraniteForCausalLM", "granite"),
 }
-PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp's converter interleaves their q/k rows
+PERMUTED_ARCHITECTURES = ("llama", "granite")  # llama.cpp's converter interleaves their q/k rows
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")  # norm weights stored as (1 + w)
+POST_NORM_ARCHITECTURES = ("gemma2", "gemma3", "olmo2")  # post_attention_norm / post_ffw_norm after each branch
 
 Meta = Callable[..., Any]  # get(key, default=None) / need(key): the value of `{arch}.{key}`
 
@@ -200,5 +210,29 @@ def _gemma(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: s
     return out
 
 
+def _olmo2(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
+    """OLMo 2: nothing beyond the common keys; Olmo 3 (the same GGUF architecture with a sliding window)
+    is refused."""
+    if get("attention.sliding_window"):
+        raise ModelLoadError(f"{where}: olmo2.attention.sliding_window is set (an Olmo 3 file): sliding windows "
+                             f"are not supported for 'olmo2'")
+    return {}
+
+
+_GRANITE_SCALES = (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                   ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling"))
+
+
+def _granite(cfg: dict[str, Any], get: Meta, need: Meta, names: set[str], where: str) -> dict[str, Any]:
+    """Granite: the four scales the converter writes (where non-zero), as the decimals the float32 keys
+    came from; an absent one stays out of the config (the family's neutral default)."""
+    return {hf: _f32_decimal(get(key)) for key, hf in _GRANITE_SCALES if get(key)}
+
+
+def _f32_decimal(value: float) -> float:
+    """The shortest decimal that a float32 key holds (0.22, not 0.2199999988079071)."""
+    return float(str(np.float32(value)))
+
+
 _FAMILY_CONFIG = {"llama": _llama, "qwen2": _qwen, "qwen3": _qwen, "phi3": _phi3, "gemma2": _gemma, "gemma3": _gemma,
-                  "qwen2moe": _qwen_moe, "qwen3moe": _qwen_moe}
+                  "qwen2moe": _qwen_moe, "qwen3moe": _qwen_moe, "olmo2": _olmo2, "granite": _granite}
