@@ -55,9 +55,9 @@ def poll_until(m: StructuredOutputManager, deadline: float) -> tuple[list[str], 
 def test_a_slow_grammar_delays_no_other_and_fails_past_the_deadline(manager: StandInManager) -> None:
     """"slow" holds one thread: "fast", submitted after it, is ready at once on the other; "slow"'s
     request fails naming the deadline once 0.5 s have passed."""
+    started = time.monotonic()  # before the submission: the deadline counts from it
     manager.submit("a", StructuredOutputsParams(regex="slow"))
     manager.submit("b", StructuredOutputsParams(regex="fast"))
-    started = time.monotonic()
     ready, failed = poll_until(manager, 5)
     assert ready == ["b"] and manager.matcher("b") == ("matcher", "fast")
     assert list(failed) == ["a"] and "grammar_compile_timeout_s" in failed["a"]
