@@ -82,7 +82,7 @@ def anyio_backend() -> str:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the compiled CPU kernels once, before any test, in a child process (so this process
+    """Configure troupe's logging (see below), and build the compiled CPU kernels once, before any test, in a child process (so this process
     loads nothing). On a fresh machine the build takes a minute or more; inside a test it would count
     against that test's timeout (a `fail_after` around an engine's start, the 120 s default). Later
     engines load the cached libraries. Where they cannot build, the engines fall back as they would
@@ -90,6 +90,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import subprocess
     import sys
 
+    # troupe's log configuration first, as in a program whose first troupe call (AsyncLLM, LLM, the CLI)
+    # configures it: a test's structlog.testing.capture_logs before any of those would leave structlog
+    # "configured" with its default (unfiltered) logger, and troupe's levels would then not apply to the
+    # rest of that worker's tests
+    from troupe.log import configure_logging
+
+    configure_logging()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # the xdist controller built them before it started the workers
     subprocess.run([sys.executable, "-c", "from troupe.kernels.cpu import available; available()"],
