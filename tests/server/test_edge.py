@@ -163,3 +163,16 @@ def test_the_key_comes_from_the_flag_the_file_or_the_environment(tmp_path: Path,
                 args(key_file=str(tmp_path / "empty"))):
         with pytest.raises(SystemExit):
             api_key(bad)
+
+
+def test_no_misbehaving_client_held_the_event_loop(server: ServerProcess) -> None:
+    """Last in the module: after every client above (trickled heads and bodies, a NUL in a header, the
+    connection limit, wrong keys and hosts), the event-loop watchdog's largest lag since the server started
+    is under 250 ms."""
+    import re
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    m = re.search(r"^troupe:event_loop_lag_max_seconds (\S+)$", text, re.M)
+    assert m, "no watchdog gauge in /metrics"
+    print(f"\nwatchdog max lag {float(m.group(1)) * 1000:.0f} ms")
+    assert float(m.group(1)) < 0.25
