@@ -60,6 +60,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="the KV pool's dtype (auto: float16 with the cpu kernels, the model's dtype with eager)")
     g.add_argument("--kernels", default="auto", choices=KERNEL_SETS,
                    help="the kernel set (auto: the compiled cpu kernels where they build, else eager torch)")
+    g.add_argument("--runner", default="generate", choices=["generate", "pooling"],
+                   help="pooling: serve embeddings (/v1/embeddings, /pooling, /score, /rerank) instead of "
+                        "generation (docs/pooling.md)")
+    g.add_argument("--pooler-config", "--override-pooler-config", type=_json_object("--pooler-config"),
+                   default=None, metavar="JSON",
+                   help='with --runner pooling, override the model\'s pooler: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+                        '"normalize": true|false}')
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--num-threads", type=int, default=None)
@@ -110,7 +117,21 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 data_parallel_address=args.data_parallel_address, data_parallel_backend=args.data_parallel_backend,
                 ray_address=args.ray_address, ray_resources=args.ray_resources,
                 input_limits=InputLimits.from_pairs(args.limit or []),
-                grammar_compile_timeout_s=args.grammar_compile_timeout)
+                grammar_compile_timeout_s=args.grammar_compile_timeout, runner=args.runner,
+                pooler_config=args.pooler_config)
+
+
+def _json_object(flag: str) -> Any:
+    """A JSON object argument (argparse names `flag` on error)."""
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag}: not JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag}: must be a JSON object")
+        return value
+    return parse
 
 
 def _json_resources(text: str) -> Any:

@@ -7,11 +7,13 @@ allowed range.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import msgspec
 
 from troupe.errors import InvalidInputError
 from troupe.limits import InputLimits
+from troupe.pooling import check_pooler_override
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install ray==2.60.0)"
@@ -51,6 +53,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_threads: int | None = None  # torch threads in the engine; None: all cores / engines
     output_chunk_size: int = 128
     null_model: bool = False  # a model that returns a fixed token with no compute (tests, benchmarks)
+    # --- pooling (docs/pooling.md)
+    runner: str = "generate"  # "generate", or "pooling": embeddings (encode / embed / score), no generation
+    pooler_config: dict[str, Any] | None = None  # overrides the model's pooler: pooling_type, normalize
     # --- sampling (docs/sampling.md)
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for; -1: the whole vocab
     logprobs_mode: str = "raw_logprobs"  # what logprobs report (vLLM's): raw_/processed_ + logprobs/logits
@@ -108,6 +113,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("kv_cache_dtype", f"the eager kernel set keeps the KV pool in the model's dtype: "
                                     f"must be 'auto' or dtype ({self.dtype!r}) with kernels='eager', "
                                     f"got {self.kv_cache_dtype!r}")
+        if self.runner not in ("generate", "pooling"):
+            raise InvalidInputError("runner", f"must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise InvalidInputError("pooler_config", "is only used with runner='pooling'")
+        check_pooler_override(self.pooler_config)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -20,6 +20,7 @@ from typing import Any
 from troupe.errors import InvalidInputError
 from troupe.limits import InputLimits, check_params, check_structured
 from troupe.messages import AddRequest
+from troupe.pooling import PoolerConfig, PoolingParams
 from troupe.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 PromptType = str | Mapping[str, Any]
@@ -40,6 +41,7 @@ class ModelLimits:
     priority_scheduling: bool = False  # the engine honours `priority` (scheduling_policy="priority")
     max_logprobs: int = 20  # EngineConfig.max_logprobs: -1 allows the whole vocabulary
     inputs: InputLimits = InputLimits()  # the frontend's EngineConfig.input_limits (troupe.limits)
+    pooler: PoolerConfig | None = None  # a pooling engine's pooler (runner="pooling"); None: it generates
 
 
 def make_request_id(external_id: str) -> str:
@@ -111,7 +113,8 @@ def render_chat(tokenizer: Any, messages: ChatMessages, add_generation_prompt: b
     return str(text)
 
 
-def validate_prompt_ids(ids: list[int], limits: ModelLimits) -> None:
+def validate_prompt_ids(ids: list[int], limits: ModelLimits, output_room: int = 1) -> None:
+    """`output_room`: tokens the request needs after its prompt (1 to generate; 0 for pooling)."""
     if not ids:
         raise InvalidInputError("prompt", "the prompt is empty; at least 1 token is needed")
     for t in ids:
@@ -119,13 +122,14 @@ def validate_prompt_ids(ids: list[int], limits: ModelLimits) -> None:
             raise InvalidInputError(
                 "prompt_token_ids", f"token id {t!r} is outside the vocabulary [0, {limits.vocab_size})"
             )
-    if len(ids) >= limits.max_model_len:
+    if len(ids) + output_room > limits.max_model_len:
+        room = " with room for one output token" if output_room else ""
         raise InvalidInputError(
             "prompt",
-            f"the prompt has {len(ids)} tokens; at most {limits.max_model_len - 1} fit the model's "
-            f"context of {limits.max_model_len} tokens (max_model_len) with room for one output token",
+            f"the prompt has {len(ids)} tokens; at most {limits.max_model_len - output_room} fit the model's "
+            f"context of {limits.max_model_len} tokens (max_model_len){room}",
         )
-    if limits.kv_capacity_tokens is not None and len(ids) + 1 > limits.kv_capacity_tokens:
+    if limits.kv_capacity_tokens is not None and len(ids) + output_room > limits.kv_capacity_tokens:
         raise InvalidInputError(
             "prompt",
             f"the prompt has {len(ids)} tokens but the KV cache holds at most {limits.kv_capacity_tokens} "
@@ -188,15 +192,18 @@ def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) 
 def build_request(
     *, prompt_token_ids: list[int], params: SamplingParams, limits: ModelLimits, external_id: str,
     priority: int = 0, data_parallel_rank: int | None = None, tokenizer: Any = None,
+    pooling_params: PoolingParams | None = None,
 ) -> AddRequest:
     """Validate and resolve one request (max_tokens, EOS ids, a unique internal id, the bad words'
     token ids with `tokenizer`); a structured-output spec is parsed by the backend here, so a bad one
-    fails at the edge."""
+    fails at the edge. A pooling request (`pooling_params`, with the facade's internal `params`) is
+    checked against the engine's pooler."""
     if not isinstance(params, SamplingParams):
         raise InvalidInputError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     params.verify()  # again: the struct is mutable, and a field changed since construction must not reach the engine
+    check_runner(limits.pooler, pooling_params)
     prompt_token_ids = truncate_prompt(prompt_token_ids, params, limits.max_model_len)
-    validate_prompt_ids(prompt_token_ids, limits)
+    validate_prompt_ids(prompt_token_ids, limits, 0 if pooling_params is not None else 1)
     validate_sampling(params, limits)
     bad_words: list[list[int]] = []
     if params.bad_words:
@@ -223,6 +230,8 @@ def build_request(
         )
     room = limits.max_model_len - len(prompt_token_ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    if pooling_params is not None:
+        max_tokens = 1  # nothing is generated; the scheduler sizes the request by its prompt
     return AddRequest(
         request_id=make_request_id(external_id),
         prompt_token_ids=prompt_token_ids,
@@ -234,5 +243,23 @@ def build_request(
         external_id=external_id,
         data_parallel_rank=data_parallel_rank,
         bad_words_token_ids=bad_words,
+        pooling_params=pooling_params,
     )
+
+
+def check_runner(pooler: PoolerConfig | None, pooling_params: PoolingParams | None) -> None:
+    """A pooling request needs a pooling engine (and one it can honour), a generation request a
+    generating one: else an `InvalidInputError` naming the runner."""
+    if pooling_params is None:
+        if pooler is not None:
+            raise InvalidInputError("runner", "this engine was started with runner='pooling' (--runner pooling): "
+                                    "it answers encode / embed / score requests, not generation")
+        return
+    if not isinstance(pooling_params, PoolingParams):
+        raise InvalidInputError("pooling_params", f"must be a PoolingParams, got {type(pooling_params).__name__}")
+    pooling_params.verify()
+    if pooler is None:
+        raise InvalidInputError("runner", "pooling (encode / embed / score) needs an engine started with "
+                                "runner='pooling' (--runner pooling); this one generates")
+    pooler.check(pooling_params)
 

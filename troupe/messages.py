@@ -19,6 +19,7 @@ import time
 import msgspec
 
 from troupe.errors import ErrorKind
+from troupe.pooling import PoolingParams
 from troupe.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add", array_like=True, omit_d
     external_id: str = ""
     data_parallel_rank: int | None = None
     bad_words_token_ids: list[list[int]] = []
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort", array_like=True):
@@ -87,7 +89,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaul
 
     `new_logprobs`: one row per new token (when `params.logprobs` is set). `prompt_logprobs`: one row
     per prompt token after the first, all of them at once with the request's first token (when
-    `params.prompt_logprobs` is set)."""
+    `params.prompt_logprobs` is set). `pooled`: a pooling request's vector, on its one output."""
 
     request_id: str
     new_token_ids: list[int]
@@ -99,6 +101,7 @@ class EngineCoreOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaul
     new_logprobs: LogprobsLists | None = None
     prompt_logprobs: LogprobsLists | None = None
     error_kind: ErrorKind | None = None  # set with `error`: whose fault (troupe.errors.ErrorKind)
+    pooled: list[float] | None = None  # a pooling request's vector, with its finish (troupe.core.pooler)
 
     @property
     def finished(self) -> bool:

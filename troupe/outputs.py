@@ -115,6 +115,8 @@ class RequestOutput(msgspec.Struct, gc=False):
     `metrics` is set on the final output only. `error` says why a request with finish_reason
     "error" failed (on its final output), else None; `error_kind` says whose fault that was
     (`troupe.errors.ErrorKind`: "invalid_request", the request's own parameters, or "internal").
+    `pooled` carries a pooling request's vector to the facade, which returns it as a
+    `troupe.pooling.PoolingRequestOutput`.
     """
 
     request_id: str
@@ -127,6 +129,7 @@ class RequestOutput(msgspec.Struct, gc=False):
     metrics: RequestMetrics | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (troupe.pooling), on its final output
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a newer output of the same request into this one, in place.
@@ -144,6 +147,8 @@ class RequestOutput(msgspec.Struct, gc=False):
             self.error, self.error_kind = next_output.error, next_output.error_kind
         if next_output.prompt_logprobs is not None:
             self.prompt_logprobs = next_output.prompt_logprobs
+        if next_output.pooled is not None:
+            self.pooled = next_output.pooled
         for new in next_output.outputs:
             for i, old in enumerate(self.outputs):
                 if old.index != new.index:

@@ -45,6 +45,7 @@ from troupe.inputs import (
     tokenize,
 )
 from troupe.messages import AbortRequest, AddRequest, EngineInput, UtilityCall
+from troupe.pooling import PoolingParams
 from troupe.sampling_params import SamplingParams, check_utf8
 
 log = structlog.get_logger("troupe.input")
@@ -68,6 +69,7 @@ class Submission:
     add_generation_prompt: bool = True
     priority: int = 0
     data_parallel_rank: int | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (troupe.pooling); `params` is then internal
     done: anyio.Event = field(default_factory=anyio.Event)
     stream: RequestStream | None = None
     error: BaseException | None = None
@@ -173,7 +175,8 @@ class InputProcessor:
     def _build(self, sub: Submission, ids: list[int]) -> AddRequest:
         return build_request(prompt_token_ids=ids, params=sub.params, limits=self.limits,
                              external_id=sub.external_id, priority=sub.priority,
-                             data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer)
+                             data_parallel_rank=sub.data_parallel_rank, tokenizer=self.tokenizer,
+                             pooling_params=sub.pooling_params)
 
     def _prepare(self, sub: Submission) -> tuple[str | None, list[int], AddRequest]:
         text, ids = self._prompt_parts(sub)

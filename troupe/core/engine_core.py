@@ -13,6 +13,11 @@ Flow of one `step()`:
 4. the scheduler appends them, checks stop conditions, frees finished requests and returns one
    `EngineCoreOutput` per request with something new.
 
+Pooling (`runner="pooling"`, troupe.pooling): step 2 returns the final hidden states the pooler needs
+instead of logits (`ModelRunner.execute_hidden`), the `Pooler` folds each chunk into its request, and a
+request whose chunk ended its prompt finishes with its vector (`EngineCoreOutput.pooled`); nothing is
+sampled, and its KV blocks are freed at once.
+
 Structured outputs: a request with `structured_outputs` waits outside the scheduler while its grammar
 compiles in the `StructuredOutputManager`'s worker thread (never on this step path), and joins the
 scheduler once it is ready; a compilation that fails finishes that request alone with an error.
@@ -43,14 +48,16 @@ from troupe.core.batch import ScheduledSeq
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.logprobs import add_prompt_logprobs, to_lists
 from troupe.core.model_runner import ModelRunner
+from troupe.core.pooler import Pooler
 from troupe.core.request import Request
 from troupe.core.sampler import LogprobsRow, SamplingRow, make_sampler
 from troupe.core.scheduler import ScheduledRequest, Scheduler
 from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_kind
-from troupe.inputs import ModelLimits, validate_prompt_ids, validate_sampling
+from troupe.inputs import ModelLimits, check_runner, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
 from troupe.models.loader import load_tokenizer
+from troupe.pooling import resolve_pooler
 from troupe.structured.backend import bitmask_width
 from troupe.structured.manager import StructuredOutputManager
 
@@ -83,6 +90,11 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
         self._added_at: dict[str, float] = {}  # trace only: when a request joined, until first scheduled
+        self.pooler: Pooler | None = None  # runner="pooling": prefill-only requests, pooled hidden states
+        if config.runner == "pooling":
+            info = self.runner.info
+            self.pooler = Pooler(resolve_pooler(self.runner.model_path, info.hf_config, info.arch.hidden_size,
+                                                config.pooler_config))
         self.step_counter = 0
         self.num_added = 0  # requests accepted by add_request (cumulative)
         self.num_aborted = 0  # requests stopped by abort_requests (cumulative)
@@ -93,6 +105,7 @@ class EngineCore:
             kv_capacity_tokens=self.kv_capacity_tokens,
             priority_scheduling=config.scheduling_policy == "priority",
             max_logprobs=config.max_logprobs,
+            pooler=self.pooler.config if self.pooler is not None else None,
         )
 
     @property
@@ -107,7 +120,8 @@ class EngineCore:
         request leaves no trace here (the caller answers it with an error, the engine goes on)."""
         if msg.request_id in self._requests:
             raise InvalidInputError("request_id", f"{msg.request_id!r} is already running in this engine")
-        validate_prompt_ids(msg.prompt_token_ids, self.limits)
+        check_runner(self.limits.pooler, msg.pooling_params)
+        validate_prompt_ids(msg.prompt_token_ids, self.limits, 0 if msg.pooling_params is not None else 1)
         if msg.priority != 0 and not self.limits.priority_scheduling:
             raise InvalidInputError("priority", f"got {msg.priority}, but the engine schedules first-come-first-"
                                     "served; start it with scheduling_policy='priority' to use priorities")
@@ -175,6 +189,8 @@ class EngineCore:
         self._generators.pop(request_id, None)
         self._added_at.pop(request_id, None)
         self.structured.forget(request_id)
+        if self.pooler is not None:
+            self.pooler.forget(request_id)
 
     # ------------------------------------------------------------------ stepping
 
@@ -194,7 +210,11 @@ class EngineCore:
         failed: dict[str, RequestFailure] = {}  # request id -> why it failed (its own fault: see _sample)
         logprobs: dict[str, LogprobsLists] = {}
         prompt_logprobs: dict[str, LogprobsLists] = {}
-        if sched_out.scheduled:
+        pooled: dict[str, list[float]] = {}
+        if sched_out.scheduled and self.pooler is not None:
+            pooled = self._pool(self.scheduler.to_scheduled_seqs(sched_out), self.pooler, failed)
+            self.step_counter += 1
+        elif sched_out.scheduled:
             seqs = self.scheduler.to_scheduled_seqs(sched_out)
             for seq in seqs:
                 seq.prompt_logits = self._requests[seq.request_id].needs_prompt_logits
@@ -208,7 +228,8 @@ class EngineCore:
             self.step_counter += 1
         elif self._waiting_for_grammar:
             self.structured.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar is ready
-        outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed, logprobs, prompt_logprobs)
+        outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed, logprobs, prompt_logprobs,
+                                                              pooled)
         if self._failed_outside:
             outputs = self._failed_outside + outputs
             finished = [o.request_id for o in self._failed_outside] + finished
@@ -229,6 +250,21 @@ class EngineCore:
                   step_s=round(time.monotonic() - started, 5))
         return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs,
                                  scheduler_stats=stats, finished_requests=finished)
+
+    def _pool(self, seqs: list[ScheduledSeq], pooler: Pooler, failed: dict[str, RequestFailure]
+              ) -> dict[str, list[float]]:
+        """The pooling runner's step: the hidden states the pooler needs, folded into each request's
+        state; the finished vectors by request id (a request whose `finish` raises fails alone)."""
+        hidden = self.runner.execute_hidden(seqs, pooler.rows(seqs))  # (R, hidden)
+        pooled: dict[str, list[float]] = {}
+        for rid, vector in pooler.update(seqs, hidden).items():
+            req = self._requests[rid]
+            assert req.pooling_params is not None
+            try:
+                pooled[rid] = pooler.finish(vector, req.pooling_params)
+            except Exception as exc:
+                failed[rid] = self._request_failed(req, "pooling", exc)
+        return pooled
 
     def _trace_scheduled(self, scheduled: Iterable[ScheduledRequest]) -> None:
         now = time.monotonic()

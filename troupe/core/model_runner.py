@@ -6,6 +6,8 @@ positions `start_pos ..`, its K/V going to the blocks `block_ids` (slot of posit
 `block_ids[p // block_size] * block_size + p % block_size`); it returns float32 logits
 `(rows, vocab)`, one row per entry with `needs_logits` in order, taken at its last token, or one row
 per token of the chunk for an entry with `prompt_logits` (prompt logprobs; `troupe.core.batch`).
+`execute_hidden(seqs, rows)` (the pooling runner, `troupe.core.pooler`) runs the same step and returns
+the final hidden states of the tokens `rows` instead of logits.
 The KV pool is mutated in place; nothing else is. Not thread-safe: one step at a time.
 
 The kernel set (`troupe.kernels`, chosen by `EngineConfig.kernels` and `device` when the runner is
@@ -195,6 +197,22 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, rows)  # (N, hidden)
         logits = self.model.compute_logits(hidden)  # (N, vocab)
         return logits if self.device.type == "cuda" else logits.cpu()
+
+    @torch.inference_mode()
+    def execute_hidden(self, seqs: list[ScheduledSeq], rows: list[int]) -> torch.Tensor:
+        """The pooling runner's step: the model over every new token (K/V written as in `execute`) and
+        the final hidden states, after the final norm, of the step's tokens `rows` (increasing
+        indices): (len(rows), hidden) in the model's dtype, on the model's device. No LM head, no
+        CUDA graph. The null model returns zeros."""
+        if self.model is None:
+            return torch.zeros(len(rows), self.info.arch.hidden_size)  # (R, hidden)
+        if not seqs:
+            return torch.empty(0, self.info.arch.hidden_size)
+        assert max(s.start_pos + len(s.token_ids) for s in seqs) <= self.max_model_len, "a seq runs past max_model_len"
+        batch = self.kernels.prepare(seqs, self.block_size)
+        n_tokens = sum(len(s.token_ids) for s in seqs)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                          None if len(rows) == n_tokens else rows)  # (R, hidden)
 
 
 def _logits_rows(seqs: list[ScheduledSeq]) -> list[int]:

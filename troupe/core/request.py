@@ -6,6 +6,8 @@ Contract:
 - Preemption frees every block and resets `num_computed_tokens` to 0 (recompute). What sampling
   keeps about the request (its output tokens for the penalties and bad words, its grammar matcher, the
   prompt logprobs computed so far) lives outside the KV cache and survives it.
+- A pooling request (`pooling_params` set) computes its prompt and finishes after the chunk that
+  ends it (no token is sampled); it neither reads nor fills the prefix cache.
 - `prompt_logprob_rows` holds one row per prompt token after the first, filled as prefill chunks
   run; `prompt_logprobs_sent` once they went out with the first token.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import enum
 
 from troupe.messages import AddRequest, FinishReason
+from troupe.pooling import PoolingParams
 from troupe.sampling_params import SamplingParams
 
 
@@ -31,12 +34,13 @@ class Request:
         "params", "max_tokens", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
         "stop_reason", "block_hashes", "bad_words_token_ids", "prompt_logprob_rows", "prompt_logprobs_sent",
-        "grammar_terminated",
+        "grammar_terminated", "pooling_params",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, eos_token_ids: list[int] | None = None, arrival_time: float = 0.0,
-                 priority: int = 0, external_id: str = "", bad_words_token_ids: list[list[int]] | None = None) -> None:
+                 priority: int = 0, external_id: str = "", bad_words_token_ids: list[list[int]] | None = None,
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.external_id = external_id or request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,11 +63,12 @@ class Request:
         self.prompt_logprob_rows: list[tuple[list[int], list[float], int]] = []
         self.prompt_logprobs_sent = False
         self.grammar_terminated = False  # the structured-output grammar accepted its end
+        self.pooling_params = pooling_params  # a pooling request: prefill only, then its pooled vector
 
     @classmethod
     def from_message(cls, msg: AddRequest) -> Request:
         return cls(msg.request_id, msg.prompt_token_ids, msg.params, msg.max_tokens, msg.eos_token_ids,
-                   msg.arrival_time, msg.priority, msg.external_id, msg.bad_words_token_ids)
+                   msg.arrival_time, msg.priority, msg.external_id, msg.bad_words_token_ids, msg.pooling_params)
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +87,11 @@ class Request:
         """It asked for prompt logprobs and some prompt positions have none yet (so the prefix cache,
         which skips positions, is not read for it)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprob_rows) < self.num_prompt_tokens - 1
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Every prompt position must be computed here (prompt logprobs, pooling): no prefix-cache read."""
+        return self.pooling_params is not None or self.needs_prompt_logits
 
     @property
     def is_finished(self) -> bool:

@@ -191,8 +191,8 @@ class Scheduler:
             head = self._peek_waiting()
             if head is None:
                 break
-            # prompt logprobs need every prompt position computed: no prefix-cache read (vLLM's rule)
-            hit_blocks, hit_tokens = ([], 0) if head.needs_prompt_logits else kv.get_computed_blocks(head)
+            # prompt logprobs and pooling need every prompt position computed: no prefix-cache read
+            hit_blocks, hit_tokens = ([], 0) if head.needs_every_position else kv.get_computed_blocks(head)
             n = min(head.num_tokens - hit_tokens, budget)
             if kv.allocate_slots(head, n, hit_blocks, hit_tokens) is None:
                 break  # no skipping ahead: the head would starve
@@ -245,12 +245,14 @@ class Scheduler:
                            failed: dict[str, RequestFailure] | None = None,
                            logprobs: dict[str, LogprobsLists] | None = None,
                            prompt_logprobs: dict[str, LogprobsLists] | None = None,
+                           pooled: dict[str, list[float]] | None = None,
                            ) -> tuple[list[EngineCoreOutput], list[str]]:
         """Apply one step's sampled tokens (`sampled[request_id]` for each `needs_logits` entry, or
         `failed[request_id]`, why a request's sampling failed: its error text and kind), with their logprobs
         and prompt logprobs where the engine computed them (passed on in the outputs). Returns one output
         per request that got a token or failed (never for a partial prefill chunk) and the ids that
-        finished in this call. A failed request (or one whose stop check raises) finishes with
+        finished in this call. A pooling request whose chunk ended its prompt finishes ("stop") with
+        `pooled[request_id]`, its vector; it registers no blocks in the prefix cache. A failed request (or one whose stop check raises) finishes with
         `FinishReason.ERROR` and its error text; its blocks are freed like any finished request's."""
         self.step_counter += bool(out.scheduled)
         outputs: list[EngineCoreOutput] = []
@@ -259,12 +261,16 @@ class Scheduler:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted since schedule()
-            self.kv_cache.cache_blocks(req)
+            pooling = req.pooling_params is not None
+            if not pooling:
+                self.kv_cache.cache_blocks(req)
             if not s.needs_logits:
                 continue
             failure = failed.get(req.request_id) if failed else None
             new: list[int] = []
-            if failure is None:
+            if failure is None and pooling:
+                req.finish_reason, stopped = FinishReason.STOP, True
+            elif failure is None:
                 token = sampled[req.request_id]
                 req.append_token(token)
                 new = [token]
@@ -285,7 +291,8 @@ class Scheduler:
                 num_cached_tokens=max(0, req.num_cached_tokens), num_preemptions=req.num_preemptions,
                 error=failure.error if failure else None, error_kind=failure.kind if failure else None,
                 new_logprobs=logprobs.get(req.request_id) if logprobs and new else None,
-                prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None))
+                prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None,
+                pooled=pooled.get(req.request_id) if pooled and failure is None else None))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
             self._finished_ids.extend(finished)

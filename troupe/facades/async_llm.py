@@ -13,7 +13,10 @@
 6. `check_health()` raises `EngineDeadError` (dead) or `EngineHungError` (no step finished for
    `engine_hang_timeout_s` while requests wait). After a death every call (generate, chat,
    add_request, abort, utility calls, get_tokenizer) raises that `EngineDeadError`.
-7. A request that fails on its own (its sampling, stop checks, detokenization) raises nothing: its
+7. `encode()` is the pooling runner's request (`runner="pooling"`, troupe.pooling): one
+   `PoolingRequestOutput` per prompt; `generate` on a pooling engine, or `encode` on a generating
+   one, is an `InvalidInputError` naming the runner.
+8. A request that fails on its own (its sampling, stop checks, detokenization) raises nothing: its
    final output has finish_reason "error" and `error` says why; the engine goes on.
 """
 
@@ -30,14 +33,21 @@ from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
 from troupe.engine.build import MakeCore
-from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, single_error
+from troupe.errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineHungError,
+    InvalidInputError,
+    single_error,
+)
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
 from troupe.models.generation_config import read_generation_defaults
 from troupe.models.loader import resolve_model_path
 from troupe.outputs import RequestOutput
-from troupe.sampling_params import SamplingParams, check_utf8
+from troupe.pooling import PoolerConfig, PoolingOutput, PoolingParams, PoolingRequestOutput
+from troupe.sampling_params import RequestOutputKind, SamplingParams, check_utf8
 
 
 class AsyncLLM(anyio.AsyncContextManagerMixin):
@@ -142,8 +152,10 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
     async def add_request(self, prompt: PromptType | None, params: SamplingParams | None = None,
                           request_id: str | None = None, *, messages: ChatMessages | None = None,
                           priority: int = 0, data_parallel_rank: int | None = None,
-                          chat_template: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
-        """Submit one request; returns its stream, or raises the validation error."""
+                          chat_template: str | None = None, add_generation_prompt: bool = True,
+                          pooling_params: PoolingParams | None = None) -> RequestStream:
+        """Submit one request (a pooling request with `pooling_params`, `params` then internal); returns
+        its stream, or raises the validation error."""
         graph = self._running_graph()
         if request_id is not None:
             if not isinstance(request_id, str):
@@ -154,7 +166,7 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
                          params=params if params is not None else SamplingParams(),
                          prompt=prompt, messages=messages, chat_template=chat_template,
                          add_generation_prompt=add_generation_prompt, priority=priority,
-                         data_parallel_rank=data_parallel_rank)
+                         data_parallel_rank=data_parallel_rank, pooling_params=pooling_params)
         try:
             await graph.submit.send(sub)
             return await sub.wait()
@@ -185,6 +197,40 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         async with aclosing(self._follow(stream)) as outputs:  # closed with us: the abort runs at once
             async for out in outputs:
                 yield out
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, *, priority: int = 0,
+                     data_parallel_rank: int | None = None) -> AsyncGenerator[PoolingRequestOutput]:
+        """A pooling engine's (`runner="pooling"`) request: yields one `PoolingRequestOutput` (the
+        pooled vector in `outputs.data`, a float32 tensor) once the prompt is computed. A request that
+        fails raises (`InvalidInputError` when its own input was at fault, else
+        `EngineGenerateError`); an aborted one ends without an output."""
+        pooling_params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(pooling_params, PoolingParams):
+            raise InvalidInputError("pooling_params", f"must be a PoolingParams, got {type(pooling_params).__name__}")
+        params = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                truncate_prompt_tokens=pooling_params.truncate_prompt_tokens)
+        stream = await self.add_request(prompt, params, request_id, priority=priority,
+                                        data_parallel_rank=data_parallel_rank, pooling_params=pooling_params)
+        async with aclosing(self._follow(stream)) as outputs:
+            async for out in outputs:
+                if out.error is not None:
+                    if out.error_kind == "invalid_request":
+                        raise InvalidInputError("pooling_params", f"request {out.request_id}: {out.error}")
+                    raise EngineGenerateError(f"request {out.request_id} failed: {out.error}")
+                if out.pooled is None:  # aborted
+                    return
+                import torch  # the frontend imports torch only for pooling outputs
+
+                yield PoolingRequestOutput(out.request_id, PoolingOutput(torch.tensor(out.pooled, dtype=torch.float32)),
+                                           list(out.prompt_token_ids or []), True, out.num_cached_tokens)
+
+    @property
+    def pooler_config(self) -> PoolerConfig | None:
+        """The engine's pooler (runner="pooling"), None for a generating engine."""
+        limits = self._running_graph().limits
+        assert limits is not None
+        return limits.pooler
 
     async def _follow(self, stream: RequestStream) -> AsyncGenerator[RequestOutput]:
         finished = False

@@ -228,6 +228,8 @@ class OutputProcessor:
                         reqs_to_abort.append(eco.request_id)
                     finish_reason, stop_reason = _STOP, stop_string
                 out = state.make_output(new_ids, finish_reason, stop_reason, eco.error, eco.error_kind)
+                if eco.pooled is not None and out is not None:
+                    out.pooled = eco.pooled
             except Exception as exc:
                 if finish_reason is None:
                     reqs_to_abort.append(eco.request_id)

@@ -1,7 +1,9 @@
 """`build_app`: the OpenAI-compatible Starlette app over an engine it is given.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (see `serving.py`), `POST /v1/responses`
-with `GET` / `DELETE /v1/responses/{id}` (`responses_api.py`), `GET /v1/models`, `GET /v1/models/{id}`,
+with `GET` / `DELETE /v1/responses/{id}` (`responses_api.py`); with `--runner pooling`, `POST /v1/embeddings`,
+`/pooling`, `/score`, `/v1/score`, `/rerank`, `/v1/rerank` (`pooling.py`; the other runner's endpoints
+answer 400 naming the runner); `GET /v1/models`, `GET /v1/models/{id}`,
 `GET /health`, `GET|POST /ping` (vLLM's, as /health), `GET /version`, `POST /tokenize`, `POST /detokenize`,
 `GET /tokenizer_info` (with `--enable-tokenizer-info-endpoint`), `GET /metrics` (`metrics.py`), and
 `GET /openapi.json` (the OpenAPI 3.1 document of all of them, built from the request and response
@@ -50,6 +52,7 @@ from troupe.server import metrics as metrics_mod
 from troupe.server.chat import TokenizeRequest, conversation, tool_dicts
 from troupe.server.errors import APIError, bad_request, to_api_error
 from troupe.server.openapi import openapi_document
+from troupe.server.pooling import create_embedding, create_pooling, create_rerank, create_score
 from troupe.server.protocol import DetokenizeRequest
 from troupe.server.responses import (
     DetokenizeResponse,
@@ -301,6 +304,12 @@ def build_app(settings: ServerSettings,
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/embeddings", create_embedding, methods=["POST"]),
+        Route("/pooling", create_pooling, methods=["POST"]),
+        Route("/score", create_score, methods=["POST"]),
+        Route("/v1/score", create_score, methods=["POST"]),
+        Route("/rerank", create_rerank, methods=["POST"]),
+        Route("/v1/rerank", create_rerank, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),

@@ -173,7 +173,7 @@ async def create_completion(request: Request) -> Response:
     req = await read_body(request, CompletionRequest, state.settings.max_body_bytes)
     model = state.check_model(req.model)
     reject_unsupported(req)
-    llm = state.engine()
+    llm = state.generating_engine()
     check_params(req, llm.config.input_limits)  # before any field is converted
     check_prompts(req.prompt, llm.config.input_limits)
     params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
@@ -226,7 +226,7 @@ async def start_chat(request: Request, req: ChatCompletionRequest, arrival: floa
     if req.chat_template is not None and not settings.trust_request_chat_template:
         raise bad_request("chat_template", "a request's own chat_template needs `troupe serve "
                                            "--trust-request-chat-template`")
-    llm = state.engine()
+    llm = state.generating_engine()
     check_params(req, llm.config.input_limits)  # before any field is converted
     params = req.sampling_params(llm.generation_defaults, llm.config.input_limits)
     tools = tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None

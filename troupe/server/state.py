@@ -110,6 +110,16 @@ class ServerState:
             raise self.llm.dead_error
         return self.llm
 
+    def generating_engine(self) -> EngineClient:
+        """`engine()`, for the generation endpoints: a pooling engine (`--runner pooling`) is a 400 naming
+        the runner."""
+        llm = self.engine()
+        if getattr(llm.config, "runner", "generate") == "pooling":
+            raise APIError(400, "this server was started with --runner pooling: it serves /v1/embeddings, /pooling, "
+                                "/score and /rerank, not generation; start it without --runner pooling (the "
+                                "generate runner) to generate", param="runner")
+        return llm
+
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (None: the first one), or 404."""
         if name is None:
