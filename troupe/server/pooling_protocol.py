@@ -19,10 +19,9 @@ from troupe.sampling_params import INT64_MAX, INT64_MIN
 from troupe.server.errors import bad_request
 
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 Truncate = Annotated[int, Meta(ge=-1, le=INT64_MAX)]  # -1: max_model_len; 0 is refused by PoolingParams
 EncodingFormat = Literal["float", "base64"]
-PoolingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+PoolingInput = str | list[Any]  # a string, strings, token ids, or lists of token ids: checked in `prompts()`
 
 
 class _PoolingFields(msgspec.Struct, kw_only=True):
@@ -52,7 +51,7 @@ class EmbeddingRequest(_PoolingFields, kw_only=True):
         value: Any = self.input
         if isinstance(value, str):
             items: list[Any] = [value]
-        elif value and all(isinstance(x, int) for x in value):
+        elif value and all(_is_id(x) for x in value):
             items = [list(value)]
         else:
             items = list(value)
@@ -60,9 +59,13 @@ class EmbeddingRequest(_PoolingFields, kw_only=True):
             raise bad_request("input", "must not be empty")
         out: list[str | dict[str, list[int]]] = []
         for i, item in enumerate(items):
-            if not item:
+            if isinstance(item, list) and all(_is_id(x) for x in item):
+                item = {"prompt_token_ids": item}
+            elif not isinstance(item, str):
+                raise bad_request(f"input[{i}]", "must be a string or a list of token ids (integers >= 0)")
+            if not (item if isinstance(item, str) else item["prompt_token_ids"]):
                 raise bad_request(f"input[{i}]", "must not be empty")
-            out.append(item if isinstance(item, str) else {"prompt_token_ids": item})
+            out.append(item)
         return out
 
 
@@ -151,6 +154,10 @@ class RerankResponse(msgspec.Struct, kw_only=True):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT64_MAX
 
 
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
