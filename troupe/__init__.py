@@ -2,7 +2,8 @@
 
 Public names: `LLM` (offline, blocking) and `AsyncLLM` (streaming) over the same actor graph,
 `SamplingParams`, `StructuredOutputsParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
-`Logprob`, `EngineDeadError`, `EngineStartupError`, `EngineHungError`.
+`Logprob`, `EngineDeadError`, `EngineStartupError`, `EngineHungError`; pooling (docs/pooling.md):
+`PoolingParams`, `PoolingRequestOutput`, `EmbeddingRequestOutput`, `ScoringRequestOutput`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from troupe.errors import EngineDeadError, EngineHungError, EngineStartupError, InvalidInputError
+from troupe.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 from troupe.structured.params import StructuredOutputsParams
 
@@ -31,6 +33,10 @@ __all__ = [
     "EngineStartupError",
     "EngineHungError",
     "InvalidInputError",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
 ]
 
 _LAZY = {

@@ -1,7 +1,8 @@
 """`troupe serve --runner pooling` through real clients: the openai SDK's `embeddings.create` (float
 and base64, text and token-id inputs) and httpx for `/pooling`, `/score`, `/rerank` (and their `/v1`
 forms), each vector or score checked against transformers' pooled hidden states (float32
-`AutoModel` on the same tiny random Llama, vLLM's default pooler: last token, normalized); bad input
+`AutoModel` on the same tiny random Llama; the server's pooler set by `--pooler-config` to mean
+pooling, normalized); bad input
 is a 400 naming the field, and each runner's endpoints answer the other runner with a 400 naming it.
 
 One pooling server serves the module; the generate-runner side runs in-process on a fake engine.
@@ -28,13 +29,15 @@ from troupe.models.loader import load_tokenizer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ATOL = 1e-4
+KIND = "MEAN"  # the server's pooler: --pooler-config over the default (last token), still normalized
 TEXTS = ["The cat sat on the mat.", "Vectors let a search compare meaning.", "Hi"]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--model", str(tiny_llama), "--runner", "pooling", "--dtype", "float32", "--kv-cache-dtype", "float32",
-            "--max-model-len", "64", "--num-threads", "1", "--in-process", "--served-model-name", "emb"]
+            "--max-model-len", "64", "--num-threads", "1", "--in-process", "--served-model-name", "emb",
+            "--pooler-config", '{"pooling_type": "mean"}']
     with ServerProcess(args, tmp_path_factory.mktemp("pooling-server")) as srv:
         yield srv
 
@@ -57,8 +60,8 @@ def expected(tiny_llama: Path) -> dict[str, Any]:
     hf = hf_model(tiny_llama)
     tok = load_tokenizer(tiny_llama)
     ids = [tok(t)["input_ids"] for t in TEXTS]
-    return {"ids": ids, "vectors": [hf_pooled(hf, p, "LAST", True) for p in ids],
-            "raw": hf_pooled(hf, ids[0], "LAST", False), "cut": hf_pooled(hf, ids[1][-2:], "LAST", True)}
+    return {"ids": ids, "vectors": [hf_pooled(hf, p, KIND, True) for p in ids],
+            "raw": hf_pooled(hf, ids[0], KIND, False), "cut": hf_pooled(hf, ids[1][-2:], KIND, True)}
 
 
 def close(got: list[float], want: torch.Tensor) -> None:
@@ -139,6 +142,14 @@ def test_pooling_score_and_rerank(http: httpx.Client, expected: dict[str, Any]) 
     assert len(every["results"]) == 3
 
 
+def test_openapi_lists_the_pooling_endpoints(http: httpx.Client) -> None:
+    """A pooling server's /openapi.json has its endpoints and their schemas instead of generation's."""
+    doc = http.get("/openapi.json").json()
+    assert {"/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank"} <= set(doc["paths"])
+    assert "/v1/completions" not in doc["paths"]
+    assert {"input", "encoding_format", "dimensions"} <= set(doc["components"]["schemas"]["EmbeddingRequest"]["properties"])
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
     ("/v1/embeddings", {"input": []}, "input"),
@@ -169,6 +180,20 @@ def test_dimensions_refused_through_the_sdk(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model="emb", input="x", dimensions=8)
     assert "Matryoshka" in str(err.value) and err.value.body["param"] == "dimensions"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--pooler-config", "{"], "not JSON"), (["--pooler-config", "[1]"], "must be a JSON object"),
+    (["--runner", "embed"], "invalid choice"),
+])
+def test_bad_flags_are_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--pooler-config must be a JSON object and --runner one of the runners: argparse names the flag."""
+    from troupe.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    err = capsys.readouterr().err
+    assert message in err and argv[0] in err
 
 
 @pytest.mark.anyio

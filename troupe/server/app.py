@@ -217,7 +217,8 @@ async def openapi_endpoint(request: Request) -> Response:
     if state.openapi is None:  # built once, on first use
         state.openapi = msgspec.json.encode(openapi_document(
             api_key=bool(state.settings.api_key), tokenizer_info=state.settings.enable_tokenizer_info_endpoint,
-            model_names=list(state.settings.served_model_names)))
+            model_names=list(state.settings.served_model_names),
+            pooling=state.llm is not None and getattr(state.llm.config, "runner", "generate") == "pooling"))
     return Response(state.openapi, media_type="application/json")
 
 

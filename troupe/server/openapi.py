@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from troupe.server import chat, protocol, responses
+from troupe.server import chat, pooling_protocol, protocol, responses
 
 _REF = "#/components/schemas/{name}"
 _REQUESTS: list[type] = [protocol.CompletionRequest, chat.ChatCompletionRequest, chat.TokenizeRequest,
@@ -25,6 +25,9 @@ _REQUESTS: list[type] = [protocol.CompletionRequest, chat.ChatCompletionRequest,
 _RESPONSES: list[type] = [responses.CompletionResponse, responses.CompletionChunk, responses.ChatCompletionResponse,
                           responses.ChatCompletionChunk, responses.ModelList, responses.TokenizeResponse,
                           responses.DetokenizeResponse, responses.VersionResponse, responses.ErrorResponse]
+_POOLING: list[type] = [pooling_protocol.EmbeddingRequest, pooling_protocol.ScoreRequest, pooling_protocol.RerankRequest,
+                        pooling_protocol.EmbeddingResponse, pooling_protocol.PoolingResponse,
+                        pooling_protocol.ScoreResponse, pooling_protocol.RerankResponse]
 _ERRORS = {
     400: "invalid request: a field has a wrong type or value (`param` names it)",
     401: "missing or wrong API key",
@@ -75,12 +78,30 @@ def _get(op_id: str, summary: str, ok: dict[str, Any], *errors: int) -> dict[str
     return {"get": {"operationId": op_id, "summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
+def _pooling_paths() -> dict[str, Any]:
+    """A pooling server's endpoints (`--runner pooling`, `pooling.py`) in place of generation's."""
+    p = pooling_protocol
+    paths = {
+        "/v1/embeddings": _post("createEmbedding", "Embeddings of texts or token ids", p.EmbeddingRequest,
+                                p.EmbeddingResponse),
+        "/pooling": _post("createPooling", "Pooled hidden states (vLLM's /pooling)", p.EmbeddingRequest,
+                          p.PoolingResponse),
+    }
+    for path, op in (("/score", "score"), ("/v1/score", "scoreV1")):
+        paths[path] = _post(op, "Cosine similarity of text_1 and text_2's embeddings", p.ScoreRequest, p.ScoreResponse)
+    for path, op in (("/rerank", "rerank"), ("/v1/rerank", "rerankV1")):
+        paths[path] = _post(op, "Documents ranked by similarity to the query", p.RerankRequest, p.RerankResponse)
+    return paths
+
+
 def openapi_document(*, api_key: bool = False, tokenizer_info: bool = False,
-                     model_names: list[str] | None = None) -> dict[str, Any]:
+                     model_names: list[str] | None = None, pooling: bool = False) -> dict[str, Any]:
     """The OpenAPI 3.1 document of every endpoint (`api_key`: Bearer auth on the /v1 paths, as vLLM;
     `tokenizer_info`: the server has `/tokenizer_info`; `model_names`: the served names, the ids
-    `/v1/models/{model}` knows)."""
-    _, schemas = msgspec.json.schema_components([*_REQUESTS, *_RESPONSES], ref_template=_REF)
+    `/v1/models/{model}` knows; `pooling`: the server runs `--runner pooling`, whose endpoints replace
+    the generation ones)."""
+    _, schemas = msgspec.json.schema_components([*_REQUESTS, *_RESPONSES, *(_POOLING if pooling else [])],
+                                                ref_template=_REF)
     paths = {
         "/v1/completions": _generation("createCompletion", "Text completion", protocol.CompletionRequest,
                                        responses.CompletionResponse, responses.CompletionChunk),
@@ -109,6 +130,9 @@ def openapi_document(*, api_key: bool = False, tokenizer_info: bool = False,
                               {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}},
                               401),
     }
+    if pooling:
+        del paths["/v1/completions"], paths["/v1/chat/completions"]
+        paths.update(_pooling_paths())
     paths["/v1/models/{model}"]["get"]["parameters"] = [
         {"name": "model", "in": "path", "required": True,
          "schema": {"type": "string", **({"enum": model_names} if model_names else {})}}]
