@@ -15,7 +15,9 @@ import torch
 
 from troupe import AsyncLLM, SamplingParams
 from troupe.config import EngineConfig
+from troupe.engine.build import EngineReady
 from troupe.errors import EngineStartupError, InvalidInputError
+from troupe.inputs import ModelLimits
 from troupe.messages import (
     AbortRequest,
     AddRequest,
@@ -28,6 +30,7 @@ from troupe.messages import (
     UtilityCall,
     UtilityResult,
 )
+from troupe.pooling import PoolerConfig, PoolingParams
 from troupe.process.bridge import Bridge, engine_identity
 from troupe.process.client import EngineProcess
 from troupe.process.codec import FrameDecoder, FrameEncoder, reject_input, reject_output
@@ -51,11 +54,16 @@ def test_a_message_is_one_frame_of_plain_data() -> None:
 
 def test_every_message_round_trips() -> None:
     """Each wire message decodes to an equal message through the typed union decoders."""
-    to_engine: list[Any] = [GOOD, AbortRequest(["a", "b"]), UtilityCall(3, "get_stats", [1, "x"]), EngineShutdown()]
+    pooling = AddRequest("p", [1, 2], SamplingParams(max_tokens=1), 1,
+                         pooling_params=PoolingParams(dimensions=8, normalize=False, truncate_prompt_tokens=2))
+    to_engine: list[Any] = [GOOD, pooling, AbortRequest(["a", "b"]), UtilityCall(3, "get_stats", [1, "x"]),
+                            EngineShutdown()]
     from_engine: list[Any] = [
         EngineCoreOutputs(outputs=[EngineCoreOutput("r", [5, 6], FinishReason.LENGTH)], finished_requests=["r"]),
         EngineCoreOutputs(outputs=[EngineCoreOutput("e", [], FinishReason.ERROR, error="masked",
                                                     error_kind="invalid_request")], finished_requests=["e"]),
+        EngineCoreOutputs(outputs=[EngineCoreOutput("p", [], FinishReason.STOP, pooled=[0.25, -1.5])],
+                          finished_requests=["p"]),
         UtilityResult(3, result={"num_running": 0}), EngineDead("boom"),
     ]
     enc = FrameEncoder()
@@ -64,6 +72,9 @@ def test_every_message_round_trips() -> None:
         for msg in msgs:
             back = dec.decode(enc.encode(msg))
             assert back == msg or (isinstance(msg, EngineCoreOutputs) and back.outputs == msg.outputs)
+    limits = ModelLimits(100, 64, (2,), pooler=PoolerConfig(pooling_type="MEAN", hidden_size=8, matryoshka=True))
+    ready = EngineReady(engine_index=0, pid=1, limits=limits, model_path="m", num_blocks=4, block_size=16)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(ready), type=EngineReady) == ready  # the pooler reaches the frontend
 
 
 def test_bad_frames_become_per_request_errors() -> None:

@@ -156,6 +156,8 @@ def test_openapi_lists_the_pooling_endpoints(http: httpx.Client) -> None:
     ("/v1/embeddings", {"input": ["ok", ""]}, "input[1]"),
     ("/v1/embeddings", {"input": [[1, 2], [99999999]]}, "input"),
     ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, "encoding_format"),
+    ("/v1/embeddings", {"input": "x", "priority": 1}, "priority"),  # passed on: the server schedules fcfs
+    ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority"),
     ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/embeddings", {"input": [[5] * 65]}, "input"),
     ("/pooling", {"input": "x", "normalize": "yes"}, "normalize"),
@@ -173,6 +175,18 @@ def test_bad_input_is_a_400_naming_the_field(http: httpx.Client, path: str, body
     resp = http.post(path, json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_ids_and_model_names(http: httpx.Client) -> None:
+    """The body's request_id names the answer (`embd-`, `pool-`, `score-`, `rerank-`) and is echoed in
+    X-Request-Id; an unknown model is a 404 naming `model`."""
+    for path, body, prefix in [("/v1/embeddings", {"input": "x"}, "embd"), ("/pooling", {"input": "x"}, "pool"),
+                               ("/score", {"text_1": "a", "text_2": "b"}, "score"),
+                               ("/rerank", {"query": "a", "documents": ["b"]}, "rerank")]:
+        resp = http.post(path, json={**body, "request_id": "mine-1"})
+        assert resp.json()["id"] == f"{prefix}-mine-1" and resp.headers["x-request-id"] == "mine-1"
+        missing = http.post(path, json={**body, "model": "other"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
 def test_dimensions_refused_through_the_sdk(client: openai.OpenAI) -> None:
