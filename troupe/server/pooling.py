@@ -15,6 +15,7 @@ similarity of the two texts' embeddings (each distinct text embedded once).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
@@ -45,7 +46,7 @@ from troupe.server.pooling_protocol import (
     ScoreResponse,
     encode_vector,
 )
-from troupe.server.serving import json_response, read_body, request_id, server_state
+from troupe.server.serving import json_response, offload, read_body, request_id, server_state
 from troupe.server.sse import cancel_on_disconnect
 from troupe.server.state import ServerState
 
@@ -100,13 +101,21 @@ async def _encode_all(request: Request, llm: PoolingClient, prompts: Sequence[An
     return cast(list[PoolingRequestOutput], results)
 
 
+def _plain_ids(tok: Any, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
 async def _tokenized(llm: Any, req: EmbeddingRequest) -> list[Any]:
-    prompts = req.prompts()
+    """The engine prompts of `req`; with `add_special_tokens: false` its texts tokenized here (a long
+    one in a worker thread), since the engine would add them."""
+    prompts: list[Any] = req.prompts()
     if req.add_special_tokens:
         return prompts
     tok = llm.get_tokenizer()
-    return [{"prompt_token_ids": list(tok(p, add_special_tokens=False)["input_ids"])} if isinstance(p, str) else p
-            for p in prompts]
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            prompts[i] = {"prompt_token_ids": await offload(len(p), functools.partial(_plain_ids, tok, p))}
+    return prompts
 
 
 async def _pool_request(request: Request) -> tuple[EmbeddingRequest, str, list[PoolingRequestOutput] | None]:
