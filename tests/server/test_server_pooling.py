@@ -61,7 +61,8 @@ def expected(tiny_llama: Path) -> dict[str, Any]:
     tok = load_tokenizer(tiny_llama)
     ids = [tok(t)["input_ids"] for t in TEXTS]
     return {"ids": ids, "vectors": [hf_pooled(hf, p, KIND, True) for p in ids],
-            "raw": hf_pooled(hf, ids[0], KIND, False), "cut": hf_pooled(hf, ids[1][-2:], KIND, True)}
+            "raw": hf_pooled(hf, ids[0], KIND, False), "cut": hf_pooled(hf, ids[1][-2:], KIND, True),
+            "cut_0": hf_pooled(hf, ids[0][-2:], KIND, True)}
 
 
 def close(got: list[float], want: torch.Tensor) -> None:
@@ -122,7 +123,17 @@ def test_pooling_score_and_rerank(http: httpx.Client, expected: dict[str, Any]) 
     assert pool["object"] == "list" and [d["object"] for d in pool["data"]] == ["pooling", "pooling"]
     for d, want in zip(pool["data"], vec[:2], strict=True):
         close(d["data"], want)
+    packed = base64.b64decode(http.post("/pooling", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+                              ["data"][0]["data"])
+    close(list(struct.unpack(f"<{len(packed) // 4}f", packed)), vec[0])
     cosines = [float(vec[0] @ v) for v in vec]
+    cut = http.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1], "truncate_prompt_tokens": 2}).json()
+    assert cut["usage"]["prompt_tokens"] == 4
+    assert cut["data"][0]["score"] == pytest.approx(float(expected["cut_0"] @ expected["cut"]), abs=ATOL)
+    cut_rank = http.post("/rerank", json={"query": TEXTS[0], "documents": [TEXTS[1]], "truncate_prompt_tokens": 2,
+                                          "user": "someone"}).json()
+    assert cut_rank["usage"]["total_tokens"] == 4
+    assert cut_rank["results"][0]["relevance_score"] == pytest.approx(cut["data"][0]["score"], abs=1e-6)
     for path in ("/score", "/v1/score"):
         score = http.post(path, json={"model": "emb", "text_1": TEXTS[0], "text_2": TEXTS}).json()
         assert [d["index"] for d in score["data"]] == [0, 1, 2]
