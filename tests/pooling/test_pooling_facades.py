@@ -59,7 +59,8 @@ def test_embed_and_encode_equal_transformers(llm: LLM, hf: object) -> None:
 
 def test_per_prompt_params_and_truncation(llm: LLM, hf: object) -> None:
     """One PoolingParams per prompt (dimensions, normalize off, truncate_prompt_tokens keeping the last
-    3 tokens); a list of the wrong length names pooling_params; pooling_task other than embed is refused."""
+    3 tokens), and vLLM's keyword truncate_prompt_tokens over the params; a list of the wrong length
+    names pooling_params; pooling_task other than embed is refused."""
     tok = llm.get_tokenizer()
     ids = tok(TEXTS[1])["input_ids"]
     outs = llm.encode([TEXTS[1]] * 3, [PoolingParams(dimensions=16), PoolingParams(normalize=False),
@@ -68,6 +69,11 @@ def test_per_prompt_params_and_truncation(llm: LLM, hf: object) -> None:
     torch.testing.assert_close(outs[1].outputs.data, hf_pooled(hf, ids, "LAST", False), atol=ATOL, rtol=0)
     assert outs[2].prompt_token_ids == ids[-3:]
     torch.testing.assert_close(outs[2].outputs.data, hf_pooled(hf, ids[-3:], "LAST", True), atol=ATOL, rtol=0)
+    embedded = llm.embed(TEXTS[1], pooling_params=PoolingParams(normalize=False), truncate_prompt_tokens=3,
+                         use_tqdm=False)
+    assert embedded[0].prompt_token_ids == ids[-3:]
+    torch.testing.assert_close(torch.tensor(embedded[0].outputs.embedding), hf_pooled(hf, ids[-3:], "LAST", False),
+                               atol=ATOL, rtol=0)
     with pytest.raises(InvalidInputError) as err:
         llm.encode(TEXTS, [PoolingParams()] * 2)
     assert err.value.field == "pooling_params"
@@ -80,8 +86,8 @@ def test_per_prompt_params_and_truncation(llm: LLM, hf: object) -> None:
 
 
 def test_score_is_cosine_of_embeddings(llm: LLM, hf: object) -> None:
-    """score pairs one text with many (or two lists index by index) and gives the cosine similarity
-    of transformers' embeddings."""
+    """score pairs one text with many (or two lists index by index; other shapes name data_2) and gives
+    the cosine similarity of transformers' embeddings, of the truncated prompts with truncate_prompt_tokens."""
     tok = llm.get_tokenizer()
     vec = [hf_pooled(hf, tok(t)["input_ids"], "LAST", True) for t in TEXTS]
     one_to_many = llm.score(TEXTS[0], TEXTS)
@@ -91,8 +97,12 @@ def test_score_is_cosine_of_embeddings(llm: LLM, hf: object) -> None:
     pairwise = llm.score(TEXTS[:2], TEXTS[1:])
     assert [o.outputs.score for o in pairwise] == pytest.approx([float(vec[0] @ vec[1]), float(vec[1] @ vec[2])],
                                                                 abs=ATOL)
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(InvalidInputError) as err:
         llm.score(TEXTS[:2], TEXTS)
+    assert err.value.field == "data_2"
+    cut = llm.score(TEXTS[0], TEXTS[1], truncate_prompt_tokens=2, use_tqdm=False)[0]
+    ends = [hf_pooled(hf, tok(t)["input_ids"][-2:], "LAST", True) for t in TEXTS[:2]]
+    assert len(cut.prompt_token_ids) == 4 and cut.outputs.score == pytest.approx(float(ends[0] @ ends[1]), abs=ATOL)
 
 
 def test_prompt_may_fill_the_context_and_generation_is_refused(llm: LLM) -> None:

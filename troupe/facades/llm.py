@@ -13,7 +13,8 @@
 4. `close()` (or leaving `with`) shuts the graph down and joins the portal thread; a
    `weakref.finalize` does the same for a user who forgets, so interpreter exit never hangs.
 5. `encode` / `embed` / `score` (an engine started with `runner="pooling"`, troupe.pooling) run
-   every prompt at once the same way and return vLLM's pooling outputs in input order.
+   every prompt at once the same way and return vLLM's pooling outputs in input order
+   (`troupe.facades.pooling`).
 6. Errors are the documented ones, never an `ExceptionGroup`: a bad prompt in a batch raises its
    `InvalidInputError` (the requests already submitted are aborted); after an engine death every
    call raises `EngineDeadError`; a request that failed on its own comes back in its place with
@@ -33,19 +34,11 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from troupe.actors.requests import RequestStream
-from troupe.errors import InvalidInputError, single_error
+from troupe.errors import single_error
 from troupe.facades.async_llm import AsyncLLM
+from troupe.facades.pooling import PoolingMethods
 from troupe.inputs import ChatMessages, PromptType
 from troupe.outputs import RequestOutput
-from troupe.pooling import (
-    EmbeddingRequestOutput,
-    PoolingParams,
-    PoolingRequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
-    cosine,
-    score_pairs,
-)
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
 SIGNAL_CHECK_S = 0.1  # the longest a Ctrl-C delivered to another thread waits to be raised
@@ -59,7 +52,7 @@ def _shutdown(portal: BlockingPortal, stack: contextlib.ExitStack) -> None:
             portal.call(portal.stop, True)
 
 
-class LLM:
+class LLM(PoolingMethods):
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(start_blocking_portal("asyncio"))
@@ -192,59 +185,6 @@ class LLM:
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ pooling (runner="pooling")
-
-    def encode(self, prompts: PromptType | Sequence[PromptType],
-               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
-               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """The pooled vector of every prompt (`outputs.data`, a float32 tensor), in input order.
-        `pooling_task`: None or "embed" (the one task troupe's pooler runs)."""
-        if pooling_task not in (None, "embed"):
-            raise InvalidInputError("pooling_task", f"must be 'embed' (or None), got {pooling_task!r}")
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        result: list[PoolingRequestOutput] = self._call(self._run_pooling, prompts,
-                                                        _per_prompt_pooling(pooling_params, len(prompts)))
-        return result
-
-    def embed(self, prompts: PromptType | Sequence[PromptType],
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
-        """`encode`, as vLLM's embeddings: `outputs.embedding` is a list of floats."""
-        return [EmbeddingRequestOutput.from_base(out) for out in self.encode(prompts, pooling_params)]
-
-    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
-        """Bi-encoder scores: the cosine similarity of the embeddings of each pair (one `data_1` with
-        every `data_2`, or two lists of the same length index by index, as vLLM pairs them)."""
-        first = [data_1] if isinstance(data_1, str) else list(data_1)
-        second = [data_2] if isinstance(data_2, str) else list(data_2)
-        pairs = score_pairs(len(first), len(second))
-        outs = self.encode(first + second, pooling_params)
-        left, right = outs[:len(first)], outs[len(first):]
-        return [ScoringRequestOutput(f"score-{k}", ScoringOutput(cosine(left[i].outputs.data.tolist(),
-                                                                          right[j].outputs.data.tolist())),
-                                     left[i].prompt_token_ids + right[j].prompt_token_ids)
-                for k, (i, j) in enumerate(pairs)]
-
-    async def _run_pooling(self, prompts: list[PromptType], params: list[PoolingParams]) -> list[PoolingRequestOutput]:
-        results: list[PoolingRequestOutput | None] = [None] * len(prompts)
-
-        async def one(i: int) -> None:
-            async with contextlib.aclosing(self._engine.encode(prompts[i], params[i])) as outputs:
-                async for out in outputs:
-                    results[i] = out
-
-        try:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-        except BaseExceptionGroup as group:
-            leaf = single_error(group)
-            raise leaf from leaf.__cause__
-        assert all(r is not None for r in results), "a pooling request ended without its vector"
-        return results  # type: ignore[return-value]
-
     async def _collect(self, stream: Any, index: int, results: list[RequestOutput | None],
                        bar: _ProgressBar | None) -> None:
         async for out in self._engine._follow(stream):
@@ -252,17 +192,6 @@ class LLM:
                 results[index] = out
                 if bar is not None:
                     bar.update(out)
-
-
-def _per_prompt_pooling(params: PoolingParams | Sequence[PoolingParams] | None, n: int) -> list[PoolingParams]:
-    if params is None:
-        return [PoolingParams() for _ in range(n)]
-    if isinstance(params, PoolingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise InvalidInputError("pooling_params", f"got {len(params)} for {n} prompts; pass one, or one per prompt")
-    return params
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
