@@ -7,6 +7,7 @@ freed and nothing left in the prefix cache."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,30 @@ def test_per_request_options(runner: ModelRunner, tiny_matryoshka: Path, prompts
         got = finals[str(i)].pooled
         assert got is not None and len(got) == want.shape[0]
         torch.testing.assert_close(torch.tensor(got), want, atol=ATOL, rtol=0)
+
+
+def test_sentence_transformers_folder_sets_the_pooler(tiny_matryoshka: Path, prompts: list[list[int]],
+                                                      tmp_path: Path) -> None:
+    """The same weights as a sentence-transformers folder (modules.json: Transformer, mean Pooling,
+    no Normalize): the engine pools the mean, unnormalized, as transformers does."""
+    folder = tmp_path / "st"
+    folder.mkdir()
+    for f in tiny_matryoshka.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    core = EngineCore(EngineConfig(model=str(folder), **TINY))
+    assert core.limits.pooler is not None
+    assert (core.limits.pooler.pooling_type, core.limits.pooler.normalize) == ("MEAN", False)
+    finals = pooled(core, prompts[-2:])
+    hf = hf_model(tiny_matryoshka)
+    for i, ids in enumerate(prompts[-2:]):
+        got = finals[str(i)].pooled
+        assert got is not None
+        torch.testing.assert_close(torch.tensor(got), hf_pooled(hf, ids, "MEAN", False), atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow
