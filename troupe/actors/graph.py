@@ -84,6 +84,10 @@ class Graph(anyio.AsyncContextManagerMixin):
         self.output_handler: OutputHandler | None = None
         self.input_processor: InputProcessor | None = None
         self.stats_logger: StatsLogger | None = None
+        self._actor_scopes: list[anyio.CancelScope] = []  # one per supervised task: `stop()` cancels them
+        self._actors_running = 0
+        self._actors_ended: anyio.Event | None = None  # set when no supervised task runs any more
+        self._stopping = False
 
     @property
     def pids(self) -> list[int]:
@@ -92,6 +96,7 @@ class Graph(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Graph]:
+        self._actors_ended = anyio.Event()
         with contextlib.ExitStack() as ends:
             streams = GraphStreams(self.config.data_parallel_size, ends)
             async with anyio.create_task_group() as tg:
@@ -107,9 +112,25 @@ class Graph(anyio.AsyncContextManagerMixin):
                     yield self
                 finally:
                     # shutdown: end every stream, stop taking work, then stop the actors
-                    self.table.abort(self.table.live_ids())
-                    streams.submit_send.close()
+                    self._end_requests()
                     tg.cancel_scope.cancel()
+
+    def _end_requests(self) -> None:
+        """Every live request ends with finish_reason "abort" and the submission stream closes."""
+        self._stopping = True
+        self.table.abort(self.table.live_ids())
+        if self.submit is not None:
+            self.submit.close()
+
+    async def stop(self) -> None:
+        """Stop the graph before its context ends (`AsyncLLM.shutdown`): end every request as leaving
+        does, cancel every actor and wait until all have stopped (the engine processes included, each
+        within its bounded stop). Idempotent; leaving the context afterwards has nothing left to do."""
+        self._end_requests()
+        for scope in self._actor_scopes:
+            scope.cancel()
+        if self._actors_ended is not None and self._actors_running:
+            await self._actors_ended.wait()
 
     async def _start_engines(self, tg: TaskGroup, streams: GraphStreams) -> None:
         """Step 2: every engine side at once (each loads its model: they decide the limits the
@@ -169,8 +190,13 @@ class Graph(anyio.AsyncContextManagerMixin):
         stats logger, the progress watch) is logged ("observer crashed") and the graph goes on
         without it."""
         status = _Started(task_status)
+        self._actors_running += 1
         try:
-            await run(task_status=status)
+            with anyio.CancelScope() as scope:
+                self._actor_scopes.append(scope)
+                if self._stopping:
+                    scope.cancel()
+                await run(task_status=status)
         except Exception as exc:
             if not status.done:
                 raise  # a start-up failure: the caller of start() gets it
@@ -180,6 +206,10 @@ class Graph(anyio.AsyncContextManagerMixin):
             log.error("actor crashed", actor=GRAPH, crashed_actor=name, exc_info=exc)
             reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             self.table.fail_all(f"{name} crashed: {reason}", exc)
+        finally:
+            self._actors_running -= 1
+            if not self._actors_running and self._actors_ended is not None:
+                self._actors_ended.set()
 
     def stalled_for(self) -> tuple[float, int | None]:
         """(seconds, engine rank or None) of the longest stall of an engine while it holds requests:

@@ -7,7 +7,8 @@
 3. A consumer that stops early (break, cancellation, exception) aborts its request in the engine
    from a shielded `finally`.
 4. `abort(ids)` ends those streams with a final `finish_reason="abort"` output.
-5. Leaving the context aborts what is left and stops every actor and the engine process. An
+5. Leaving the context aborts what is left and stops every actor and the engine process;
+   `await llm.shutdown()` (vLLM's) does the same at once, inside the block or after it. An
    exception that leaves the context comes out as itself, never wrapped in an ExceptionGroup:
    the body's own exception first, else the graph's (`errors.single_error`).
 6. `check_health()` raises `EngineDeadError` (dead) or `EngineHungError` (no step finished for
@@ -15,6 +16,10 @@
    add_request, abort, utility calls, get_tokenizer) raises that `EngineDeadError`.
 7. A request that fails on its own (its sampling, stop checks, detokenization) raises nothing: its
    final output has finish_reason "error" and `error` says why; the engine goes on.
+
+Made as vLLM's is: `AsyncLLM(model, **options)` (troupe's `EngineConfig` fields and vLLM's arguments,
+see troupe.engine_args), `AsyncLLM.from_engine_args(EngineArgs(...))` or
+`AsyncLLM.from_vllm_config(engine_config)`; each is started by `async with`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from troupe.actors.input_processor import Submission
 from troupe.actors.requests import RequestStream
 from troupe.config import EngineConfig
 from troupe.engine.build import MakeCore
+from troupe.engine_args import EngineArgs, engine_config
 from troupe.errors import EngineDeadError, EngineHungError, InvalidInputError, single_error
 from troupe.inputs import ChatMessages, PromptType, next_request_id
 from troupe.log import configure_logging
@@ -47,7 +53,25 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
         EngineCore factory (tests); with `multiprocess=True` it must be a module-level function."""
         if model is not None:
             engine_options["model"] = model
-        self.config = EngineConfig(**engine_options)
+        self._setup(engine_config(engine_options), make_core)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        """vLLM's constructor from `EngineArgs`; start it with `async with`."""
+        return cls.from_vllm_config(engine_args.create_engine_config())
+
+    @classmethod
+    def from_vllm_config(cls, config: EngineConfig) -> AsyncLLM:
+        """vLLM's constructor from the whole engine configuration: troupe's is an `EngineConfig`
+        (what `EngineArgs.create_engine_config()` returns); start it with `async with`."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"from_vllm_config takes a troupe.config.EngineConfig, got {type(config).__name__}")
+        llm = cls.__new__(cls)
+        llm._setup(config, None)
+        return llm
+
+    def _setup(self, config: EngineConfig, make_core: MakeCore | None) -> None:
+        self.config = config
         configure_logging()
         self._make_core = make_core
         self._graph: Graph | None = None
@@ -73,9 +97,18 @@ class AsyncLLM(anyio.AsyncContextManagerMixin):
 
     # ------------------------------------------------------------------ state
 
+    async def shutdown(self) -> None:
+        """Stop now (vLLM's `shutdown()`): every unfinished request ends with finish_reason "abort", the
+        actors and the engine processes stop, and later calls raise. Idempotent; after the `async with`
+        block it has nothing left to do."""
+        self._stopped = True
+        if self._graph is not None:
+            await self._graph.stop()
+
     def _running_graph(self) -> Graph:
         if self._graph is None or self._stopped:
-            raise RuntimeError("AsyncLLM is not running; use it as `async with AsyncLLM(...) as llm:`")
+            raise RuntimeError("AsyncLLM is not running (not entered, or shut down); use it as "
+                               "`async with AsyncLLM(...) as llm:`")
         if self._graph.table.dead_error is not None:
             raise self._graph.table.dead_error
         return self._graph
