@@ -182,7 +182,7 @@ class LLM:
                     streams.append(stream)
             except BaseException:  # one bad prompt: the batch is refused, nothing runs on
                 with anyio.CancelScope(shield=True):
-                    await self._engine._abort_internal([st.request_id for st in streams])
+                    await self._engine.abort([st.request_id for st in streams], internal=True)
                 raise
             try:
                 async with anyio.create_task_group() as tg:
@@ -199,7 +199,7 @@ class LLM:
 
     async def _collect(self, stream: Any, index: int, results: list[RequestOutput | None],
                        bar: _ProgressBar | None) -> None:
-        async for out in self._engine._follow(stream):
+        async for out in self._engine.follow(stream):
             if out.finished:
                 results[index] = out
                 if bar is not None:
