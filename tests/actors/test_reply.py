@@ -11,6 +11,7 @@ from troupe.actors.reply import Reply
 async def test_the_waiter_gets_the_value_sent_once() -> None:
     """`wait()` returns the value; a second answer, value or error, is refused and changes nothing."""
     reply = Reply[int]()
+    assert reply.pending
     async with anyio.create_task_group() as tg:
         got: list[int] = []
 
@@ -21,7 +22,7 @@ async def test_the_waiter_gets_the_value_sent_once() -> None:
         await anyio.wait_all_tasks_blocked()
         assert got == []
         assert reply.send(7) is True
-    assert got == [7]
+    assert got == [7] and not reply.pending
     assert reply.send(8) is False and reply.fail(RuntimeError("late")) is False
     assert await reply.wait() == 7
 
@@ -46,5 +47,5 @@ async def test_an_abandoned_reply_refuses_answers_and_hands_back_what_to_undo(an
         assert reply.abandon() == "registered"
     else:
         assert reply.abandon() is None
-        assert reply.abandoned
+        assert reply.abandoned and not reply.pending
         assert reply.send("registered") is False

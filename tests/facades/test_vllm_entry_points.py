@@ -19,7 +19,7 @@ from factories import TINY_ENGINE
 from troupe import LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 from troupe.config import EngineConfig
 from troupe.engine_args import NEUTRAL, engine_config
-from troupe.errors import EngineStartupError, InvalidInputError
+from troupe.errors import EngineHungError, EngineStartupError, InvalidInputError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 ACCEPTED = [(name, value) for name, spec in NEUTRAL.items() for value in spec.allowed] + [("swap_space", 4.0)]
@@ -212,3 +212,45 @@ def test_gpu_memory_utilization_other_than_the_default_is_refused_on_the_cpu(tin
     assert err.value.cause_type == "InvalidInputError"
     assert err.value.cause_message.startswith("gpu_memory_utilization: ")
     assert "kv_cache_memory_bytes" in err.value.cause_message
+
+
+@pytest.mark.slow
+async def test_shutdown_answers_the_calls_still_waiting(tiny_llama: Path, tmp_path: Path, ipc_root: str,
+                                                       check_leftovers: Any) -> None:
+    """With the engine's step blocked, a utility call waits for an answer that cannot come; shutdown()
+    fails it with a RuntimeError instead of leaving it waiting, and the request in the step ends with
+    finish_reason "abort"."""
+    release = tmp_path / "release"  # never made: the first model call stays blocked
+    async with AsyncLLM(str(tiny_llama), fault_injection=f"block_after_steps=0,release={release}",
+                        engine_hang_timeout_s=0.2, engine_shutdown_timeout_s=0.5, ipc_dir=ipc_root,
+                        **TINY_ENGINE) as llm:
+        pids = llm.engine_pids
+        finals: list[Any] = []
+        errors: list[RuntimeError] = []
+
+        async def generate() -> None:
+            finals.extend([out async for out in llm.generate("stuck", GREEDY)][-1:])
+
+        async def utility_call() -> None:
+            try:
+                await llm.get_stats()
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(generate)
+                stuck = False
+                while not stuck:  # the condition, polled under the deadline: the step is blocked
+                    try:
+                        await llm.check_health()
+                    except EngineHungError:
+                        stuck = True
+                    await anyio.sleep(0.05)
+                tg.start_soon(utility_call)
+                await anyio.wait_all_tasks_blocked()
+                assert errors == []
+                await llm.shutdown()
+        assert [str(e) for e in errors] == ["the engine was shut down before it answered"]
+        assert finals[0].outputs[0].finish_reason == "abort"
+    check_leftovers(pids)

@@ -51,6 +51,7 @@ from troupe.actors.engine_side import EngineSide, make_engine_side
 from troupe.actors.engine_stats import EngineStats
 from troupe.actors.input_processor import FrontendInput, InputProcessor, Submission
 from troupe.actors.output_handler import OutputHandler
+from troupe.actors.reply import Reply
 from troupe.actors.requests import RequestStream, RequestTable
 from troupe.actors.stats_logger import StatsLogger
 from troupe.actors.streams import GraphStreams, TokenizerPrefetch
@@ -93,6 +94,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         self._actors_running = 0
         self._actors_ended: anyio.Event | None = None  # set when no supervised task runs any more
         self._stopping = False
+        self._waiting: set[Reply[Any]] = set()  # the replies callers wait on: failed if the graph stops first
 
     @property
     def pids(self) -> list[int]:
@@ -106,6 +108,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         or the validation error raised. A caller that goes away first abandons the reply: the request
         is not sent, or, if it was registered already, aborted."""
         assert self._submit is not None
+        self._waiting.add(sub.reply)
         try:
             await self._submit.send(sub)
             return await sub.reply.wait()
@@ -115,6 +118,8 @@ class Graph(anyio.AsyncContextManagerMixin):
                 with anyio.CancelScope(shield=True):
                     await self.abort([stream.request_id], internal=True)
             raise
+        finally:
+            self._waiting.discard(sub.reply)
 
     async def abort(self, request_ids: str | Iterable[str], *, internal: bool = False) -> None:
         """End requests with finish_reason "abort" (the users' ids: every request under each; with
@@ -136,11 +141,13 @@ class Graph(anyio.AsyncContextManagerMixin):
         the engine's message; the engine's death, its EngineDeadError."""
         assert self._submit is not None
         call_id, reply = self._table.new_call()
+        self._waiting.add(reply)
         try:
             await self._submit.send(UtilityCall(call_id, method, list(args)))
             result = await reply.wait()
         finally:
             self._table.end_call(call_id)
+            self._waiting.discard(reply)
         if result.failure is not None:
             raise RuntimeError(result.failure)
         return result.result
@@ -181,9 +188,12 @@ class Graph(anyio.AsyncContextManagerMixin):
                     tg.cancel_scope.cancel()
 
     def _end_requests(self) -> None:
-        """Every live request ends with finish_reason "abort" and the submission stream closes."""
+        """Every live request ends with finish_reason "abort", every submission or utility call not
+        answered yet fails (`RuntimeError`), and the submission stream closes."""
         self._stopping = True
         self._table.abort(self._table.live_ids())
+        for reply in list(self._waiting):
+            reply.fail(RuntimeError("the engine was shut down before it answered"))
         if self._submit is not None:
             self._submit.close()
 

@@ -72,7 +72,8 @@ class Registrar(Protocol):
 @dataclass(slots=True, frozen=True)
 class Submission:
     """One request from a facade; `reply` gets its registered stream, or its validation error. A
-    caller that goes away before the answer abandons the reply: the request is then not sent."""
+    caller that goes away before the answer abandons the reply, and a graph that stops answers it
+    with an error: either way the request is then not sent."""
 
     external_id: str
     params: SamplingParams
@@ -204,7 +205,7 @@ class InputProcessor:
         await self._register(sub, text, ids, req)
 
     async def _register(self, sub: Submission, text: str | None, ids: list[int], req: AddRequest) -> None:
-        if sub.reply.abandoned:
+        if not sub.reply.pending:  # the caller went away, or the graph stopped and answered it
             return
         try:
             stream, to_send = self._table.register(req, text, share_prefill_tokens=self.share_prefill_tokens)
@@ -212,7 +213,7 @@ class InputProcessor:
             self._reject(sub, exc)
             return
         self._submitted += 1
-        sub.reply.send(stream)  # not abandoned: checked above, with no await between
+        sub.reply.send(stream)  # pending: checked above, with no await between
         log.debug("request submitted", request_id=sub.external_id, internal_id=req.request_id, prompt_tokens=len(ids),
                   n=req.params.n)
         for engine_req in to_send:  # the request, or (n > 1) the children to send now

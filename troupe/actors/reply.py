@@ -7,8 +7,8 @@ Contract:
 - A waiter that goes away (cancelled, or failed while sending the request) calls `abandon()`: an answer
   after that is refused, so the actor drops its work; `abandon()` returns the value if one was already
   sent, which the waiter must then undo (e.g. abort the request it names).
-- Event-loop only (no locks): `abandoned` checked and `send` called with no await between them cannot
-  interleave with `abandon()`.
+- Event-loop only (no locks): `pending` checked and `send` called with no await between them cannot
+  interleave with another answer or `abandon()`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class Reply(Generic[T]):
         self._error: BaseException | None = None
         self._answered = False
         self._abandoned = False
+
+    @property
+    def pending(self) -> bool:
+        """Neither answered nor abandoned: an answer now would be taken."""
+        return not (self._answered or self._abandoned)
 
     @property
     def abandoned(self) -> bool:
