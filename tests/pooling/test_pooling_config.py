@@ -150,3 +150,16 @@ def test_score_pairing_and_cosine() -> None:
     assert cosine([1.0, 0.0], [2.0, 0.0]) == pytest.approx(1.0)
     assert cosine([1.0, 0.0], [0.0, 3.0]) == pytest.approx(0.0)
     assert cosine([1.0, 1.0], [-1.0, -1.0]) == pytest.approx(-1.0)
+
+
+def test_vllm_engine_arguments_for_pooling() -> None:
+    """vLLM's `runner` and `override_pooler_config` (its older name for pooler_config) configure the
+    engine as troupe's fields; passing both names is refused naming vLLM's."""
+    from troupe.engine_args import EngineArgs, engine_config
+
+    want = EngineConfig(model="m", runner="pooling", pooler_config={"normalize": False})
+    assert engine_config({"model": "m", "runner": "pooling", "override_pooler_config": {"normalize": False}}) == want
+    assert EngineArgs("m", runner="pooling", pooler_config={"normalize": False}).create_engine_config() == want
+    with pytest.raises(InvalidInputError) as err:
+        engine_config({"runner": "pooling", "override_pooler_config": {}, "pooler_config": {}})
+    assert err.value.field == "override_pooler_config"
