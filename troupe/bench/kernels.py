@@ -9,7 +9,7 @@ the same machine load, and prints medians: microseconds per call, weight bytes s
 eager. K-quants need K to be a multiple of 256: on the 576-wide shapes they run with K = 512 (and their
 own eager baseline). `--former-panel` adds the former dot-product panel kernel (path 3) as a candidate,
 so the panel GEMM and its predecessor compare in the same run. `--bf16` (CPUs with avx512_bf16) adds, above
-12 rows, the bf16 GEMM with the CPU's best kernel (`bf16`: AMX tiles where the CPU has them) and, where that
+8 rows, the bf16 GEMM with the CPU's best kernel (`bf16`: AMX tiles where the CPU has them) and, where that
 is AMX, the avx512_bf16 dot-product kernel too (`bf16-dp`). The head is skipped above 64 rows (it only runs on the rows that sample a token).
 
 `--model-order` times what one decode step does instead: the default model's (or `--model`'s) real
@@ -116,7 +116,7 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                         cands[q.name + " former-panel"] = _time(functools.partial(ops.linear, x, w.data, int(q), None, 3))
                     if q8 and q not in (QType.F16, QType.BF16):
                         cands[q.name + " q8"] = _time(functools.partial(ops.linear_q8, x, w.data, int(q), None, -1))
-                    if bf16 and m > 12:  # fewer rows: the float path (linear_bf16's by-M choice)
+                    if bf16 and m > 8:  # fewer rows: the float path (linear_bf16's by-M choice) or about to be
                         for label, path in bf16_paths:
                             cands[f"{q.name} {label}"] = _time(functools.partial(ops.linear_bf16, x, w.data, int(q),
                                                                                  None, path))

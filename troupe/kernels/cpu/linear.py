@@ -5,10 +5,10 @@
   `linear_q8` (8-bit activations, `"gguf-q8"`: a tiled integer GEMM for batches; decode steps of a few
   rows on the exact float path, or on an integer rows kernel where that is the faster (AVX2 builds on AMD
   CPUs); formats without an integer GEMM take the float path for large batches; csrc/qmatmul_q8.cpp), or
-  `linear_bf16` (`"gguf-bf16"`, CPUs with avx512_bf16: batches of more than 12 rows in bfloat16 with float32
-  sums, on AMX tiles where the CPU has them; fewer rows on the exact float path; csrc/qmatmul_bf16.cpp,
-  `bf16_unsupported` says why a CPU cannot). Dense weights (Hugging Face folders, F32 GGUF tensors, `"dequantize"`) keep the
-  eager set's oneDNN-packed float32 projection, which the compiled float kernels only match (docs/kernels.md).
+  `linear_bf16` (`"gguf-bf16"`, CPUs with avx512_bf16: batches of more than 8 rows with AMX, 12 without,
+  in bfloat16 with float32 sums, on AMX tiles where the CPU has them; fewer rows on the exact float path;
+  csrc/qmatmul_bf16.cpp; `bf16_unsupported` says why a CPU cannot). Dense weights (Hugging Face folders,
+  F32 GGUF tensors, `"dequantize"`) keep the eager set's oneDNN-packed float32 projection, which the compiled float kernels only match (docs/kernels.md).
 - The blocks a projection computes on are moved into the set's `WeightArena` (`arena.py`: huge-page
   memory, in binding order) when the projection is made; a tied embedding follows its head there.
 - `embedding(table)`: a quantized table expands only the looked-up rows (`troupe_qmm.embedding`), with the

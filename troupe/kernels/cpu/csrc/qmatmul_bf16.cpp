@@ -1,11 +1,11 @@
 // The "gguf-bf16" projection: y (M, N) = x (M, K) @ W^T (+ bias) with W's GGUF blocks decoded to bfloat16
 // in the panel packing, x rounded to bfloat16 once per call, products summed in float32 (panel_bf16.h has
-// the layout, the micro-kernel and the error bound). For batches only: up to BF16_ROWS_MAX_M rows (decode,
-// where the weights' memory traffic, not the multiply-adds, sets the time) the call is the output-exact
-// float path's (troupe_qmm::linear, by M).
+// the layouts, the micro-kernels and the error bound). For batches only: up to `bf16_rows_max_m()` rows
+// (decode, where the weights' memory traffic and the packing, not the multiply-adds, set the time) the call
+// is the output-exact float path's (troupe_qmm::linear, by M).
 //
 // Built where the compiler targets AVX512_BF16 (`-march=native` on a CPU with avx512_bf16); elsewhere the op
-// exists and raises. `bf16_kernels()` says which: 0 none, 1 avx512_bf16.
+// exists and raises. `bf16_kernels()` says which kernels: 0 none, 1 avx512_bf16, 2 AMX as well.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -28,9 +28,13 @@ namespace {
 
 using namespace troupe_quant;
 
-// Up to this M, the float path (measured, docs/kernels.md): the bf16 panel's packing is paid per call,
-// and few rows of x do not amortize it against the float rows path's streaming.
-constexpr int64_t BF16_ROWS_MAX_M = 12;
+// Up to this M, the float path: the bf16 panel's packing is paid per call, and few rows of x do not amortize
+// it against the float rows path's streaming. AMX: the default model's projections in model order, one
+// thread (Xeon, model 207), took 2.27 / 1.09 / 0.72 / 0.68 of the float path's time at M = 4 / 8 / 12 / 16.
+// The avx512_bf16 kernel: the float panel GEMM's crossover (ROWS_PATH_MAX_M), not measured on a CPU where
+// the kernel pays (on that Xeon it is slower than the float GEMM).
+constexpr int64_t BF16_AMX_ROWS_MAX_M = 8;
+constexpr int64_t BF16_DP_ROWS_MAX_M = 12;
 // Rows of x converted to bf16 per thread at least (the conversion is a fraction of the GEMM's time).
 constexpr int64_t CONVERT_GRAIN = 64;
 
@@ -45,6 +49,8 @@ int64_t bf16_kernels() {
   return 0;
 #endif
 }
+
+int64_t bf16_rows_max_m() { return bf16_kernels() == 2 ? BF16_AMX_ROWS_MAX_M : BF16_DP_ROWS_MAX_M; }
 
 #if defined(__AVX512BF16__)
 // The fused schedule (each panel's K slice packed just before use, in L1) up to this M, the tiled one above
@@ -84,12 +90,12 @@ void bf16_panel(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 }
 #endif
 
-// path: -1 by M (the float path up to BF16_ROWS_MAX_M rows, then the bf16 panel GEMM with the CPU's best
+// path: -1 by M (the float path up to bf16_rows_max_m() rows, then the bf16 panel GEMM with the CPU's best
 // kernel), 1 that GEMM at any M; forced (tests, benchmarks): 2 the avx512_bf16 kernel, 3 the AMX one.
 at::Tensor qmatmul_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                                const std::optional<at::Tensor>& bias, int64_t path) {
   TORCH_CHECK(path >= -1 && path <= 3 && path != 0, "troupe_qmm: bf16 path must be -1, 1, 2 or 3, got ", path);
-  if (path == -1 && x.dim() == 2 && x.size(0) <= BF16_ROWS_MAX_M) return qmatmul_linear(x, w, qtype, bias, -1);
+  if (path == -1 && x.dim() == 2 && x.size(0) <= bf16_rows_max_m()) return qmatmul_linear(x, w, qtype, bias, -1);
   const int64_t kernel = path == 2 || path == 3 ? path - 1 : bf16_kernels();
   TORCH_CHECK(kernel > 0, "troupe_qmm: linear_bf16 needs kernels built for avx512_bf16, and this build targets a CPU without it");
   TORCH_CHECK(kernel <= bf16_kernels(), "troupe_qmm: the AMX kernel needs AMX tiles (amx_bf16 and the OS's permission), "
@@ -125,4 +131,5 @@ at::Tensor qmatmul_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t
 TORCH_LIBRARY_FRAGMENT(troupe_qmm, m) {
   m.def("linear_bf16(Tensor x, Tensor w, int qtype, Tensor? bias, int path) -> Tensor", &qmatmul_linear_bf16);
   m.def("bf16_kernels() -> int", &bf16_kernels);
+  m.def("bf16_rows_max_m() -> int", &bf16_rows_max_m);
 }
