@@ -47,7 +47,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="on CUDA, the share of the GPU's memory the engine may use (the KV cache gets the rest)")
     g.add_argument("--enforce-eager", action="store_true", help="on CUDA, no CUDA graphs for decode steps")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations) or expand them "
+                   help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations; gguf-bf16: batches in "
+                        "bfloat16, CPUs with avx512_bf16) or expand them "
                         "to float32 (dequantize); auto: gguf for a .gguf file")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)

@@ -20,7 +20,7 @@ RAY_INSTALL_HINT = "pip install -e '.[ray]' in troupe's checkout (or pip install
 KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" takes the best set for the device
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # docs/sampling.md
 DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
-QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8")  # troupe.models.loader.resolve_quantization
+QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8", "gguf-bf16")  # troupe.models.loader.resolve_quantization
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's; on the CPU the only value accepted (troupe.core.model_runner)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype; "auto": the kernel set's choice
 
@@ -46,7 +46,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # GGUF weights (docs/kernels.md): "auto" (a GGUF keeps its blocks, a folder its dtype), "dequantize"
     # (expand to float32 at load: the reference), "gguf" (blocks, float32 activations), "gguf-q8" (blocks,
-    # 8-bit activations: needs kernels="cpu")
+    # 8-bit activations: needs kernels="cpu"), "gguf-bf16" (blocks; batches computed in bfloat16 with float32
+    # sums: needs kernels="cpu" and a CPU with avx512_bf16)
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES; "auto": cpu set float16, eager set the model's dtype
     enable_prefix_caching: bool = True

@@ -71,6 +71,7 @@ def test_troupe_configs_are_engine_config_fields() -> None:
         else:
             raise AssertionError(bad)
     assert default_troupe_configs()[0] == "troupe"
+    assert not any("gguf-bf16" in c for c in default_troupe_configs("avx2"))  # refused on the AVX2 build
     args = harness.parser().parse_args([])
     assert args.parts == ["offline", "single", "serve", "startup"]
     assert args.peers == ["transformers", "vllm", "llamacpp"]

@@ -16,6 +16,7 @@ import torch
 from troupe.core.batch import ScheduledSeq
 from troupe.kernels import KVSpec
 from troupe.kernels.cpu import CpuKernels, available
+from troupe.kernels.cpu.linear import bf16_unsupported
 from troupe.kernels.quant import QType
 from troupe.models.loader import load_model
 from troupe.testing.models import make_tiny_gguf
@@ -25,10 +26,11 @@ pytestmark = pytest.mark.skipif(not available(), reason="the compiled CPU kernel
 BLOCK = 4
 
 
-def _model(tmp_path: Path, quantize_activations: bool = False, **options):
+def _model(tmp_path: Path, quantize_activations: bool = False, bf16: bool = False, **options):
     gguf, _ = make_tiny_gguf(tmp_path, **options)
-    ops = CpuKernels(kv_cache_dtype="float32", quantize_activations=quantize_activations)
-    return load_model(gguf, "float32", kernels=ops, quantization="gguf-q8" if quantize_activations else "gguf")
+    ops = CpuKernels(kv_cache_dtype="float32", quantize_activations=quantize_activations, bf16=bf16)
+    mode = "gguf-q8" if quantize_activations else "gguf-bf16" if bf16 else "gguf"
+    return load_model(gguf, "float32", kernels=ops, quantization=mode)
 
 
 def _run_steps(model, info, steps: list[list[ScheduledSeq]], use_stack: bool,
@@ -70,10 +72,16 @@ VARIANTS = {
     "llama-mha-untied-q8_0": dict(tie=False, kv_heads=4),
     "qwen2-bias": dict(arch="qwen2", kv_heads=1, default_qtype=QType.Q4_0),
     "llama-q8-activations": dict(default_qtype=QType.Q4_1, quantize_activations=True),
+    "llama-bf16": dict(default_qtype=QType.Q4_K, hidden=256, intermediate=512, heads=4, kv_heads=2, bf16=True),
 }
+NO_BF16 = pytest.mark.skipif(bf16_unsupported() is not None, reason=f"gguf-bf16: {bf16_unsupported()}")
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def _variants(*names: str) -> list:
+    return [pytest.param(n, marks=NO_BF16) if VARIANTS[n].get("bf16") else n for n in names]
+
+
+@pytest.mark.parametrize("variant", _variants(*sorted(VARIANTS)))
 def test_stack_equals_the_layer_loop_bit_for_bit(variant, tmp_path):
     options = dict(VARIANTS[variant])
     model, info = _model(tmp_path, **options)
@@ -88,7 +96,7 @@ def test_stack_equals_the_layer_loop_bit_for_bit(variant, tmp_path):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa-q4_1", "llama-q8-activations"])
+@pytest.mark.parametrize("variant", _variants("llama-gqa-q4_1", "llama-q8-activations", "llama-bf16"))
 def test_last_layer_trimmed_to_the_logits_rows(variant, tmp_path):
     """With the rows that need logits, the stack runs all but the last layer and the last layer's output
     projection and MLP take those rows alone: the same as the per-layer loop's trimmed step bit for bit,
@@ -107,7 +115,8 @@ def test_last_layer_trimmed_to_the_logits_rows(variant, tmp_path):
         assert torch.equal(b, c)
         # 8-bit activations: a call of few rows may compute in float32 where many rows quantize x
         # (troupe_qmm.q8_path), so the trimmed rows differ from the full step's by x's 8-bit rounding
-        tol = 0.05 if VARIANTS[variant].get("quantize_activations") else 1e-4
+        # (likewise bf16: few rows take the exact float path)
+        tol = 0.05 if VARIANTS[variant].get("quantize_activations") or VARIANTS[variant].get("bf16") else 1e-4
         torch.testing.assert_close(c, a[rows], atol=tol, rtol=tol)
     for (k1, v1), (k2, v2), (k3, v3) in zip(kv_full, kv_loop, kv_stack, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(k1, k3) and torch.equal(v1, v3)

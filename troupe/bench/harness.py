@@ -174,7 +174,7 @@ def run_round(engine: eng.BenchEngine, rnd: int, args: argparse.Namespace, spec:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    args.troupe_configs = args.troupe_configs or eng.default_troupe_configs()
+    args.troupe_configs = args.troupe_configs or eng.default_troupe_configs(args.isa)
     workdir = Path(tempfile.mkdtemp(prefix="troupe-bench-"))
     failures, interrupted = 0, False
     held = AVX2_ENV if args.isa == "avx2" else {}

@@ -2,13 +2,15 @@
 
 For each of the default model's projection shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536, the LM head 49152x576) and each batch of M rows, it times `torch.ops.troupe_qmm.linear` (and
-`linear_q8` with --q8) on random valid blocks of each format against the eager set's oneDNN-packed float32
+`linear_q8` with --q8, `linear_bf16` with --bf16) on random valid blocks of each format against the eager set's oneDNN-packed float32
 projection of the same (dequantized) weight, alternating the candidates round by round so that each sees
 the same machine load, and prints medians: microseconds per call, weight bytes streamed per second
 (GB/s: the block bytes, or the float32 bytes for eager), GFLOP/s (2 M N K per call) and the speed-up over
 eager. K-quants need K to be a multiple of 256: on the 576-wide shapes they run with K = 512 (and their
 own eager baseline). `--former-panel` adds the former dot-product panel kernel (path 3) as a candidate,
-so the panel GEMM and its predecessor compare in the same run. The head is skipped above 64 rows (it only runs on the rows that sample a token).
+so the panel GEMM and its predecessor compare in the same run. `--bf16` (CPUs with avx512_bf16) adds, above
+8 rows, the bf16 GEMM with the CPU's best kernel (`bf16`: AMX tiles where the CPU has them) and, where that
+is AMX, the avx512_bf16 dot-product kernel too (`bf16-dp`). The head is skipped above 64 rows (it only runs on the rows that sample a token).
 
 `--model-order` times what one decode step does instead: the default model's (or `--model`'s) real
 projections, loaded by the cpu set, called back to back in model order (per layer qkv, o, gate_up, down,
@@ -19,7 +21,8 @@ the former one-row-at-a-time kernel (path 2) on the plain copy (what main ran). 
 milliseconds per sequence and the ratio of the last to the first. `--paths` names the candidates instead,
 all on the arena's blocks, so that a by-M crossover is measured where it is used: `auto` (the float
 projection chosen by M), `rows`, `panel` (the panel GEMM), `former-panel` (the dot-product panel kernel),
-and with 8-bit activations `q8-auto`, `q8-rows`, `q8-gemm`; each column's ratio is to the first.
+with 8-bit activations `q8-auto`, `q8-rows`, `q8-gemm`, and in bf16 `bf16-auto` (by M), `bf16-dp`,
+`bf16-amx`; each column's ratio is to the first.
 
 `--isa both` runs the whole table twice: for this CPU's build, then in a subprocess for the AVX2/FMA
 baseline, with MKL, oneDNN and ATen held to AVX2 as well (`troupe.bench.peers.AVX2_ENV`, as in `troupe
@@ -68,7 +71,7 @@ def _time(fn: Callable[[], object], budget_s: float = 0.003) -> Callable[[], flo
 
 
 def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, shapes: Sequence[str],
-        former_panel: bool = False) -> None:
+        former_panel: bool = False, bf16: bool = False) -> None:
     import torch
 
     from troupe.kernels.cpu import linear as qlinear
@@ -79,6 +82,9 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
     if not load_ops("qmm", qlinear.SOURCES):
         raise SystemExit("the compiled kernels cannot be built here (see the warning above)")
     ops = torch.ops.troupe_qmm
+    if bf16 and (reason := qlinear.bf16_unsupported() or ("" if ops.bf16_kernels() else "no bf16 kernels built")):
+        raise SystemExit(f"--bf16: {reason}")
+    bf16_paths = {"bf16": 1, "bf16-dp": 2}.items() if bf16 and ops.bf16_kernels() == 2 else {"bf16": 1}.items()
     g = torch.Generator().manual_seed(0)
     qtypes = [QType[f] for f in formats]
     print(f"# build: {isa()}; threads: {torch.get_num_threads()}; medians of {repeats} alternating rounds "
@@ -110,6 +116,10 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
                         cands[q.name + " former-panel"] = _time(functools.partial(ops.linear, x, w.data, int(q), None, 3))
                     if q8 and q not in (QType.F16, QType.BF16):
                         cands[q.name + " q8"] = _time(functools.partial(ops.linear_q8, x, w.data, int(q), None, -1))
+                    if bf16 and m > 8:  # fewer rows: the float path (linear_bf16's by-M choice) or about to be
+                        for label, path in bf16_paths:
+                            cands[f"{q.name} {label}"] = _time(functools.partial(ops.linear_bf16, x, w.data, int(q),
+                                                                                 None, path))
                 times: dict[str, list[float]] = {c: [] for c in cands}
                 for _ in range(repeats):
                     for c, sample in cands.items():
@@ -127,7 +137,8 @@ def run(formats: Sequence[str], rows: Sequence[int], repeats: int, q8: bool, sha
 # `--paths` names: (op, forced path) of troupe_qmm's float projection and its 8-bit activation variant
 MODEL_ORDER_PATHS = {"auto": ("linear", -1), "rows": ("linear", 0), "panel": ("linear", 1),
                      "former-panel": ("linear", 3), "q8-auto": ("linear_q8", -1), "q8-rows": ("linear_q8", 0),
-                     "q8-gemm": ("linear_q8", 1)}
+                     "q8-gemm": ("linear_q8", 1), "bf16-auto": ("linear_bf16", -1), "bf16-dp": ("linear_bf16", 2),
+                     "bf16-amx": ("linear_bf16", 3)}
 
 
 def run_model_order(model: str | None, rows: Sequence[int], repeats: int, paths: Sequence[str] = ()) -> None:
@@ -231,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--q8", action="store_true", help="also time 8-bit activations (linear_q8)")
+    p.add_argument("--bf16", action="store_true", help="also time the bf16 GEMM (linear_bf16; avx512_bf16 CPUs)")
     p.add_argument("--former-panel", action="store_true",
                    help="also time the former dot-product panel kernel (path 3) on the same weights")
     p.add_argument("--isa", choices=["native", "avx2", "both"], default="native")
@@ -264,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  *(["--paths", args.paths] if args.paths else []),
                  "--formats", args.formats, "--rows", args.rows, "--shapes", args.shapes, "--repeats",
                  str(args.repeats), *(["--threads", str(args.threads)] if args.threads else []),
-                 *(["--q8"] if args.q8 else []), *(["--former-panel"] if args.former_panel else []),
+                 *(["--q8"] if args.q8 else []), *(["--bf16"] if args.bf16 else []), *(["--former-panel"] if args.former_panel else []),
                  "--isa", "native"]
         from troupe.bench.peers import AVX2_ENV
 
@@ -283,7 +295,7 @@ def _run_here(args: argparse.Namespace) -> None:
                         [n for n in args.paths.split(",") if n])
         return
     run(args.formats.split(","), [int(r) for r in args.rows.split(",")], args.repeats, args.q8,
-        args.shapes.split(","), args.former_panel)
+        args.shapes.split(","), args.former_panel, args.bf16)
 
 
 if __name__ == "__main__":

@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m troupe.bench.step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--quantization", default="auto", help="EngineConfig.quantization (e.g. gguf, gguf-q8)")
+    p.add_argument("--quantization", default="auto", help="EngineConfig.quantization (e.g. gguf, gguf-q8, gguf-bf16)")
     p.add_argument("--kernels", default="auto", help="EngineConfig.kernels")
     p.add_argument("--batches", type=ints, default=[1, 16], help="comma-separated batch sizes (default 1,16)")
     p.add_argument("--context", type=int, default=100, help="prompt tokens of each sequence (default 100)")

@@ -56,12 +56,13 @@ def select_kernels(config: EngineConfig, device: torch.device | None = None,
         raise InvalidInputError("kernels", f"must be one of {list(KERNEL_SETS)}, got {name!r}")
     device = device if device is not None else resolve_device(config)
     q8 = config.quantization == "gguf-q8"
+    bf16 = config.quantization == "gguf-bf16"
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "auto"
     if name == "cuda":
-        if q8:
-            raise InvalidInputError("quantization", "'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
-                                    "the cuda set expands GGUF blocks to the model's dtype")
+        if q8 or bf16:
+            raise InvalidInputError("quantization", f"{config.quantization!r} needs the compiled CPU kernels "
+                                    "(kernels='cpu'); the cuda set expands GGUF blocks to the model's dtype")
         return _cuda_kernels(config, device, dtype)
     if device.type != "cpu":
         raise InvalidInputError("kernels", f"{name!r} runs on the CPU only, and device resolved to {device.type!r} "
@@ -72,16 +73,20 @@ def select_kernels(config: EngineConfig, device: torch.device | None = None,
                                     "use dtype 'bfloat16' / 'float32', or kernels='eager' (or 'auto') for float16")
         name = "eager"
     if name in ("cpu", "auto"):
-        from troupe.kernels.cpu import CpuKernels, available
+        from troupe.kernels.cpu import Bf16Unsupported, CpuKernels, available
         from troupe.kernels.cpu.build import BuildError
 
         if name == "cpu" or available():  # `available` logs the one warning when it is not
             try:
-                return CpuKernels(kv_cache_dtype=config.kv_cache_dtype, quantize_activations=q8)
+                return CpuKernels(kv_cache_dtype=config.kv_cache_dtype, quantize_activations=q8, bf16=bf16)
+            except Bf16Unsupported as exc:
+                raise InvalidInputError("quantization", f"'gguf-bf16' computes batches with avx512_bf16 "
+                                        f"instructions, and {exc}; use 'gguf' (exact) or 'gguf-q8'") from exc
             except BuildError as exc:
                 raise InvalidInputError("kernels", f"'cpu' cannot run here: {exc}") from exc
-    if q8:
-        raise InvalidInputError("quantization", f"'gguf-q8' needs the compiled CPU kernels (kernels='cpu'); "
+    if q8 or bf16:
+        raise InvalidInputError("quantization", f"{config.quantization!r} needs the compiled CPU kernels "
+                                "(kernels='cpu'); "
                                 f"kernels={config.kernels!r} runs the eager set here, which expands the blocks "
                                 "to float32")
     from troupe.kernels.eager import EagerKernels

@@ -96,12 +96,13 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
 def resolve_quantization(quantization: str, path: Path) -> str:
     """What happens to the weights of the model at `path`: "none" (an HF folder: its dtype; a GPTQ folder's
     weights repacked into GGUF blocks where they fit, `checkpoint_quant`), "dequantize" (a GGUF, or a GPTQ
-    folder, expanded to float32 / the dtype at load), "gguf" (blocks kept, float32 activations) or "gguf-q8"
-    (blocks kept, 8-bit activations). "auto": "gguf" for a GGUF file, "none" for a folder."""
+    folder, expanded to float32 / the dtype at load), "gguf" (blocks kept, float32 activations), "gguf-q8"
+    (blocks kept, 8-bit activations) or "gguf-bf16" (blocks kept, batches computed in bfloat16). "auto": "gguf"
+    for a GGUF file, "none" for a folder."""
     if quantization not in QUANTIZATIONS:
         raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     if not gguf.is_gguf(path):
-        if quantization in ("gguf", "gguf-q8"):
+        if quantization in ("gguf", "gguf-q8", "gguf-bf16"):
             raise InvalidInputError("quantization", f"{quantization!r} keeps a GGUF file's blocks, but {path} is "
                                     "a Hugging Face folder (use 'auto' or 'dequantize')")
         return "dequantize" if quantization == "dequantize" else "none"

@@ -1,7 +1,8 @@
 """The `cpu` kernel set: the model's heavy ops as compiled C++ kernels (`csrc/`, built by `build`).
 
 Compiled: projections and the embedding lookup on GGUF blocks (`linear`, csrc/qmatmul*.cpp; with
-`quantize_activations`, 8-bit activations; dense weights keep the eager set's packed float32
+`quantize_activations`, 8-bit activations; with `bf16`, batches in bfloat16 on CPUs with avx512_bf16;
+dense weights keep the eager set's packed float32
 projection), paged attention over the pool in place (`attention`), RMSNorm, residual add + RMSNorm,
 SiLU x up, and rotary + the KV write (`fused`), a MoE layer's routed experts (`moe`). The class extends `EagerKernels` for what the compiled
 ops do not replace. No decode row cache: attention reads the pool where it is.
@@ -59,24 +60,36 @@ def available() -> bool:
     return all(load_ops(name, sources) for name, sources in EXTENSIONS.items())
 
 
+class Bf16Unsupported(BuildError):
+    """The "gguf-bf16" mode cannot run here; the message says what the CPU or the build lacks."""
+
+
 class CpuKernels(EagerKernels):
     """See the module docstring. `kv_cache_dtype`: a key of `KV_DTYPES`; `quantize_activations`
-    ("gguf-q8"): 8-bit activations for the projections on quantized weights."""
+    ("gguf-q8"): 8-bit activations for the projections on quantized weights; `bf16` ("gguf-bf16"): those
+    projections compute batches in bfloat16 (a `Bf16Unsupported` error where the CPU cannot; the MoE
+    experts, attention and the fused ops stay float32)."""
 
     name = "cpu"
 
-    def __init__(self, kv_cache_dtype: str = "auto", quantize_activations: bool = False) -> None:
+    def __init__(self, kv_cache_dtype: str = "auto", quantize_activations: bool = False, bf16: bool = False) -> None:
+        if bf16 and (reason := qlinear.bf16_unsupported()) is not None:
+            raise Bf16Unsupported(reason)
         if not available():
             raise BuildError("the compiled CPU kernels cannot be built here (see the warning logged above)")
+        if bf16 and torch.ops.troupe_qmm.bf16_kernels() == 0:
+            raise Bf16Unsupported("the compiled kernels were built without avx512_bf16 (the compiler does not "
+                                  "target it)")
         super().__init__(decode_row_cache_bytes=0)
         self.kv_dtype = KV_DTYPES[kv_cache_dtype]
         self.quantize_activations = quantize_activations
+        self.bf16 = bf16
         self.arena = WeightArena()  # the blocks of every quantized projection (arena.py)
 
     # ------------------------------------------------------------------ weights
 
     def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
-        return qlinear.linear(weight, bias, self.quantize_activations, self.arena)
+        return qlinear.linear(weight, bias, self.quantize_activations, self.arena, self.bf16)
 
     def embedding(self, table: Weight) -> EmbeddingOp:
         return qlinear.embedding(table)

@@ -37,7 +37,7 @@ def decoder_stack(layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: 
     if not enabled() or not layers or not all(isinstance(p, QuantizedLinear) for p in projections):
         return None
     linears: list[QuantizedLinear] = projections  # type: ignore[assignment]
-    if len({p.q8 for p in linears}) != 1:
+    if len({p.mode for p in linears}) != 1:
         return None
     if any(layer.input_norm.dtype != torch.float32 or layer.post_norm.dtype != torch.float32 for layer in layers):
         return None
@@ -46,7 +46,7 @@ def decoder_stack(layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: 
     biases = [p.bias for p in linears]
     input_norms = [layer.input_norm.detach() for layer in layers]
     post_norms = [layer.post_norm.detach() for layer in layers]
-    q8 = linears[0].q8
+    mode = linears[0].mode
 
     def run(x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, kv_caches: Sequence[LayerKV],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,7 @@ def decoder_stack(layers: Sequence[LayerWeights], num_heads: int, num_kv_heads: 
         out, residual = torch.ops.troupe_stack.decoder_stack(
             x, positions, rope, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.items, plan.merges, plan.scratch, plan.out,
-            scale, plan.threads, input_norms, post_norms, weights, qtypes, biases, q8, eps, num_heads, num_kv_heads,
+            scale, plan.threads, input_norms, post_norms, weights, qtypes, biases, mode, eps, num_heads, num_kv_heads,
             head_dim)
         return out, residual
 

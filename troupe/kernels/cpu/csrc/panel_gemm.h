@@ -31,8 +31,8 @@ constexpr int64_t L4_MAX_M = 64;  // measured: PanelL4 ahead up to here, level a
 #endif
 
 template <class L, int mr>
-inline void micro_any(int mr_rt, const float* x, int64_t ldx, const float* b, int64_t kc, float* c, int64_t ldc, int nc,
-                      const float* bias, bool first) {
+inline void micro_any(int mr_rt, const typename L::XT* x, int64_t ldx, const typename L::PT* b, int64_t kc, float* c,
+                      int64_t ldc, int nc, const float* bias, bool first) {
   if constexpr (mr > 1) {
     if (mr_rt < mr) return micro_any<L, mr - 1>(mr_rt, x, ldx, b, kc, c, ldc, nc, bias, first);
   }
@@ -68,21 +68,22 @@ struct Tiles {
 template <class L>
 int64_t tile_panels(bool fused, int64_t K) {
   if (fused) return std::max(1, 32 / L::NR);
-  return std::max<int64_t>(1, (int64_t{1} << 19) / (4 * K * L::NR));
+  return std::max<int64_t>(1, (int64_t{1} << 19) / (static_cast<int64_t>(sizeof(typename L::PT)) * K * L::NR));
 }
 
 // A thread's share: tiles [t0, t1); `fused`: pack each panel's K slice just before using it.
 template <class L, int Q>
-void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
+void panel_tiles(const typename L::XT* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
                  const float* bias, const Tiles& tiles, bool fused, int64_t t0, int64_t t1) {
   using F = Fmt<Q>;
   const RowBlocks rb = RowBlocks::of<L::MR>(M);
   const int64_t KC = std::max<int64_t>(F::QK, PANEL_KC / F::QK * F::QK);
   // the panels (a tile, or one K slice), then the stage 1 KiB further (off the panels' 4 KiB alignment)
-  const int64_t panel_floats = fused ? KC * L::NR : tiles.max_panels * L::NR * K;
-  float* packed = reinterpret_cast<float*>(
-      thread_scratch(sizeof(float) * static_cast<size_t>(panel_floats + 256 + L::STAGE * F::QK)));
-  float* stage = packed + panel_floats + 256;
+  using PT = typename L::PT;
+  const size_t panel_bytes = sizeof(PT) * static_cast<size_t>(fused ? KC * L::NR : tiles.max_panels * L::NR * K);
+  uint8_t* scratch = thread_scratch((panel_bytes + 63) / 64 * 64 + 1024 + sizeof(float) * L::STAGE * F::QK);
+  PT* packed = reinterpret_cast<PT*>(scratch);
+  float* stage = reinterpret_cast<float*>(scratch + (panel_bytes + 63) / 64 * 64 + 1024);
   // the rows of the panel after the one at row n that this thread packs next (none past its share: another
   // thread streams those)
   const int64_t rows_end = std::min<int64_t>(tiles.begin(t1) * L::NR, N);
@@ -124,7 +125,7 @@ void panel_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
 }
 
 template <class L, int Q>
-void panel_run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
+void panel_run(const typename L::XT* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
                const float* bias, bool fused) {
   const Tiles tiles = Tiles::of((N + L::NR - 1) / L::NR, tile_panels<L>(fused, K));
   at::parallel_for(0, tiles.count, 1, [&](int64_t t0, int64_t t1) {

@@ -92,6 +92,8 @@ inline void transpose_w(Vf r[8]) {
 // NVP panel vectors per k (NR = NVP * W columns), MRP rows of x per register tile
 template <int NVP, int MRP>
 struct PanelTT {
+  using XT = float;  // x's element type
+  using PT = float;  // the packed panel's
   static constexpr int MR = MRP;
   static constexpr int NR = NVP * W;
   static constexpr int STAGE = W;  // rows of QK floats the packing stages
@@ -184,6 +186,8 @@ using PanelT = PanelTT<2, 6>;
 // ------------------------------------------------------------------------------- PanelL4 (AVX-512)
 
 struct PanelL4 {
+  using XT = float;
+  using PT = float;
   static constexpr int MR = 12;
   static constexpr int NR = 8;
   static constexpr int STAGE = 4;

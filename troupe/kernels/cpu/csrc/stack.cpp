@@ -26,6 +26,7 @@ using OptTensor = std::optional<Tensor>;
 struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t)> linear;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t)> linear_q8;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t)> linear_bf16;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul;
@@ -48,6 +49,7 @@ const Ops& ops() {
   static const Ops o{
       find<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t)>("troupe_qmm::linear"),
       find<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t)>("troupe_qmm::linear_q8"),
+      find<Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t)>("troupe_qmm::linear_bf16"),
       find<Tensor(const Tensor&, const Tensor&, double)>("troupe_fused::rms_norm"),
       find<void(const Tensor&, const Tensor&, const Tensor&, double)>("troupe_fused::add_rms_norm_"),
       find<Tensor(const Tensor&)>("troupe_fused::silu_and_mul"),
@@ -62,14 +64,14 @@ const Ops& ops() {
 
 // x (T, hidden) float32, the embedding: runs every layer and returns (the last layer's output, the residual
 // stream it is to be added to), as the Python loop over `DecoderLayer.forward` does. Per layer l: weights
-// [4l .. 4l + 3] = qkv, o, gate_up, down (GGUF blocks, their `qtypes`, optional `biases`); `q8`: 8-bit
-// activations (`linear_q8`). The attention plan (items .. attn_out, threads) is the step's, built once.
+// [4l .. 4l + 3] = qkv, o, gate_up, down (GGUF blocks, their `qtypes`, optional `biases`); `mode`: the
+// activations, 0 float32 (`linear`), 1 8-bit (`linear_q8`), 2 bfloat16 batches (`linear_bf16`). The attention plan (items .. attn_out, threads) is the step's, built once.
 std::tuple<Tensor, Tensor> decoder_stack(
     const Tensor& embedded, const Tensor& positions, const Tensor& rope, at::TensorList k_pools,
     at::TensorList v_pools, const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& seq_lens,
     const Tensor& query_start_loc, const Tensor& items, const Tensor& merges, const Tensor& scratch,
     const Tensor& attn_out, double scale, int64_t threads, at::TensorList input_norms, at::TensorList post_norms,
-    at::TensorList weights, at::IntArrayRef qtypes, const c10::List<OptTensor>& biases, bool q8, double eps,
+    at::TensorList weights, at::IntArrayRef qtypes, const c10::List<OptTensor>& biases, int64_t mode, double eps,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const int64_t L = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(embedded.dim() == 2 && embedded.scalar_type() == at::kFloat, "decoder_stack: x must be (T, hidden) float32");
@@ -80,7 +82,8 @@ std::tuple<Tensor, Tensor> decoder_stack(
                   static_cast<int64_t>(biases.size()) == 4 * L,
               "decoder_stack: four projections (qkv, o, gate_up, down) per layer");
   const Ops& o = ops();
-  const auto& lin = q8 ? o.linear_q8 : o.linear;
+  TORCH_CHECK(mode >= 0 && mode <= 2, "decoder_stack: mode must be 0, 1 or 2, got ", mode);
+  const auto& lin = mode == 1 ? o.linear_q8 : mode == 2 ? o.linear_bf16 : o.linear;
   const int64_t T = embedded.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const std::vector<int64_t> split{q_size, kv_size, kv_size};
@@ -121,7 +124,7 @@ TORCH_LIBRARY(troupe_stack, m) {
       "decoder_stack(Tensor x, Tensor positions, Tensor rope, Tensor[] k_pools, Tensor[] v_pools, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor items, "
       "Tensor merges, Tensor scratch, Tensor attn_out, float scale, int threads, Tensor[] input_norms, "
-      "Tensor[] post_norms, Tensor[] weights, int[] qtypes, Tensor?[] biases, bool q8, float eps, int num_heads, "
+      "Tensor[] post_norms, Tensor[] weights, int[] qtypes, Tensor?[] biases, int mode, float eps, int num_heads, "
       "int num_kv_heads, int head_dim) -> (Tensor, Tensor)",
       &troupe_stack::decoder_stack);
 }
