@@ -126,7 +126,7 @@ _RANDOM_KEYS = {"hidden": "hidden", "layers": "num_layers", "heads": "heads", "k
 def random_model(spec: str, dtype: str, folder: str, device: str = "cpu") -> str:
     """A randomly initialised Llama folder (HF layout, the default model's tokenizer) built from `spec`,
     "key=value,..." over `_RANDOM_KEYS` or a name in `RANDOM_MODELS`; weights in `dtype`, nothing downloaded."""
-    from troupe.testing.models import make_tiny_model
+    from troupe.models.tiny import make_tiny_model
 
     shape: dict[str, int] = {}
     for item in RANDOM_MODELS.get(spec, spec).split(","):
