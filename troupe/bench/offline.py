@@ -16,7 +16,7 @@ default model (`1b`: hidden 2048, 16 layers, 32 heads / 8 kv heads, ffn 8192, th
 troupe's from its request metrics, transformers' batch-1 `generate` as the baseline).
 
 `--warmup-rounds` (default: 1 on the GPU, 0 on the CPU) runs whole rounds of both sides first, unmeasured:
-on an H200 a first round ran 2.5-3x slower than the next ones on both sides (troupe: Triton compiling the
+on a GPU a first round runs well below the next ones on both sides (troupe: Triton compiling the
 kernel variants of its first large prefill steps; transformers: its first batches at each shape), which a
 single measured round would count as throughput.
 """
