@@ -71,9 +71,10 @@ def wait_for_release(path: str) -> None:
         pause.wait(POLL_S)
 
 
-def fault_hooks(items: str) -> str:
-    """The `EngineConfig.hooks` value that installs these fault `items` (the grammar above)."""
-    return f"{__name__}:{items}"
+def fault_hooks(items: str | None) -> str | None:
+    """The `EngineConfig.hooks` value that installs these fault `items` (the grammar above); None (no
+    faults) for None."""
+    return None if items is None else f"{__name__}:{items}"
 
 
 def hooks(items: str) -> Faults:
