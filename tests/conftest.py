@@ -89,12 +89,18 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+# The compiled kernels for this CPU and the AVX2 baseline (the tests of that baseline run it in
+# subprocesses), every library in its own process, as many at once as there are cores.
+PREBUILD = ("import os; from troupe.kernels.cpu import EXTENSIONS; from troupe.kernels.cpu.build import prebuild; "
+            "prebuild(EXTENSIONS, ('native', 'avx2'), jobs=os.cpu_count() or 1)")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Configure troupe's logging (see below), and build the compiled CPU kernels once, before any test, in a child process (so this process
-    loads nothing). On a fresh machine the build takes a minute or more; inside a test it would count
-    against that test's timeout (a `fail_after` around an engine's start, the 120 s default). Later
-    engines load the cached libraries. Where they cannot build, the engines fall back as they would
-    anyway (the tests of that fallback build in their own cache folders)."""
+    """Configure troupe's logging (see below), and build the compiled CPU kernels once, before any test, in a
+    child process (so this process loads nothing). On a fresh machine the builds take a minute or more;
+    inside a test they would count against that test's timeout (a `fail_after` around an engine's start,
+    the 120 s default). Later engines load the cached libraries. Where they cannot build, the engines fall
+    back as they would anyway (the tests of that fallback build in their own cache folders)."""
     import subprocess
     import sys
 
@@ -107,8 +113,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     configure_logging()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return  # the xdist controller built them before it started the workers
-    subprocess.run([sys.executable, "-c", "from troupe.kernels.cpu import available; available()"],
-                   capture_output=True, timeout=1800, check=False)
+    subprocess.run([sys.executable, "-c", PREBUILD], capture_output=True, timeout=1800, check=False)
 
 
 # The longest test files (a minute or more of one core each), run first: under `-n 2 --dist loadfile` a

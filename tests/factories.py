@@ -59,8 +59,8 @@ async def assert_idle(llm: Any) -> None:
             if stats["num_running"] == 0 and stats["num_waiting"] == 0 and published:
                 break
             await anyio.sleep(0.01)
-    assert graph.table.num_unfinished == 0
-    assert not graph.table.processor.has_unfinished_requests()
+    assert graph.num_unfinished == 0
+    assert not graph._table.processor.has_unfinished_requests()
 
 
 def random_block_tables(seqs: list[tuple[int, int]], block_size: int, g: torch.Generator

@@ -100,12 +100,12 @@ class FakeEngine:
 
 
 
-def make_app(engine: FakeEngine) -> Starlette:
+def make_app(engine: FakeEngine, **settings: Any) -> Starlette:
     @asynccontextmanager
     async def open_engine() -> AsyncIterator[FakeEngine]:
         yield engine
 
-    return build_app(ServerSettings(served_model_names=["fake"]), open_engine)
+    return build_app(ServerSettings(served_model_names=["fake"], **settings), open_engine)
 
 
 @asynccontextmanager

@@ -101,6 +101,14 @@ TOOL_CASES = [
     ("pythonic", "[1, 2, 3] is a list.", "[1, 2, 3] is a list.", []),
     ("pythonic", "[get_weather(__import__('os').system('x'))]", "[get_weather(__import__('os').system('x'))]", []),
     ("pythonic", "Sure, here you go.", "Sure, here you go.", []),
+    ("qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>", "Let me check.\n", [WEATHER]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+                    "celsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n"
+                    "</tool_call>", None, [WEATHER, TIME]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis", None, [("get_weather", {"city": "Paris"})]),
+    ("qwen3_coder", "Use <tool_call> like this: <function>", "Use <tool_call> like this: <function>", []),
+    ("qwen3_coder", "No tools needed: 1 < 2.", "No tools needed: 1 < 2.", []),
 ]
 
 
@@ -127,6 +135,36 @@ def test_tool_calls_whole_and_streamed(name: str, text: str, content: str | None
         assert (got_text.strip() if calls else got_text) == ((content or "").strip() if calls else text), step
 
 
+CODER_TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "scale": {"type": "number"}, "ratio": {"type": "number"},
+    "dry_run": {"type": "boolean"}, "options": {"type": "object"}, "tags": {"type": "array"},
+    "note": {"type": "string"}, "code": {"type": "string"}}}}}]
+CODER_OUTPUT = ("<tool_call>\n<function=edit>\n<parameter=path>\n007.py\n</parameter>\n<parameter=line>\n12\n</parameter>\n"
+                "<parameter=scale>\n2.0\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+                "<parameter=dry_run>\nfalse\n</parameter>\n<parameter=options>\n{'a': [1, 2]}\n</parameter>\n"
+                "<parameter=tags>\n[\"x\", \"y\"]\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+                "<parameter=code>\ndef f():\n    return \"\\\\n\"\n\n</parameter>\n<parameter=extra>\n42\n</parameter>\n"
+                "</function>\n</tool_call>")
+CODER_ARGS = {"path": "007.py", "line": 12, "scale": 2.0, "ratio": 0.5, "dry_run": False, "options": {"a": [1, 2]},
+              "tags": ["x", "y"], "note": None, "code": 'def f():\n    return "\\\\n"\n', "extra": "42"}
+
+
+def test_qwen3_coder_values_typed_by_the_request_schema() -> None:
+    """Raw-text values become what the tool's schema says (a string stays text even when it looks like a
+    number; a Python-literal object is read without evaluation; a parameter not in the schema is text;
+    one newline each side is the format's, the code value's own trailing newline and escapes are kept),
+    whole and streamed; without the schema every value is text."""
+    parser = tool_parser("qwen3_coder").for_tools(CODER_TOOLS)
+    assert as_calls(parser.parse(CODER_OUTPUT).tool_calls) == [("edit", CODER_ARGS)]
+    for step in STEPS:
+        stream = parser.stream()
+        calls = [c for piece in pieces(CODER_OUTPUT, step) for c in stream.feed(piece)[1]] + stream.finish()[1]
+        assert as_calls(calls) == [("edit", CODER_ARGS)], step
+    untyped = json.loads(tool_parser("qwen3_coder").parse(CODER_OUTPUT).tool_calls[0].arguments)
+    assert untyped["line"] == "12" and untyped["dry_run"] == "false" and untyped["options"] == "{'a': [1, 2]}"
+    assert tool_parser("hermes").for_tools(CODER_TOOLS) == tool_parser("hermes")
+
+
 def test_plain_text_is_released_at_once() -> None:
     """Text that cannot start a call is content as it arrives, not at the end."""
     for name in TOOL_PARSERS:
@@ -135,8 +173,8 @@ def test_plain_text_is_released_at_once() -> None:
 
 
 def test_unknown_tool_parser_named() -> None:
-    with pytest.raises(ValueError, match="qwen3_coder.*hermes"):
-        tool_parser("qwen3_coder")
+    with pytest.raises(ValueError, match="granite.*hermes"):
+        tool_parser("granite")
 
 
 # ---------------------------------------------------------------------- through the chat formatter

@@ -1,7 +1,8 @@
 """troupe: a small, fast, honest LLM inference engine, built as an actor graph on anyio.
 
 Public names: `LLM` (offline, blocking) and `AsyncLLM` (streaming) over the same actor graph,
-`SamplingParams`, `StructuredOutputsParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
+`EngineArgs` / `AsyncEngineArgs` (vLLM's way to configure either), `SamplingParams`,
+`StructuredOutputsParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
 `Logprob`, `EngineDeadError`, `EngineStartupError`, `EngineHungError`.
 """
 
@@ -14,6 +15,7 @@ from troupe.sampling_params import RequestOutputKind, SamplingParams
 from troupe.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from troupe.engine_args import AsyncEngineArgs, EngineArgs
     from troupe.facades.async_llm import AsyncLLM
     from troupe.facades.llm import LLM
     from troupe.outputs import CompletionOutput, Logprob, RequestOutput
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "EngineArgs",
+    "AsyncEngineArgs",
     "SamplingParams",
     "StructuredOutputsParams",
     "RequestOutputKind",
@@ -36,6 +40,8 @@ __all__ = [
 _LAZY = {
     "LLM": "troupe.facades.llm",
     "AsyncLLM": "troupe.facades.async_llm",
+    "EngineArgs": "troupe.engine_args",
+    "AsyncEngineArgs": "troupe.engine_args",
     "RequestOutput": "troupe.outputs",
     "CompletionOutput": "troupe.outputs",
     "Logprob": "troupe.outputs",

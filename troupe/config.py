@@ -20,6 +20,7 @@ KERNEL_SETS = ("auto", "eager", "cpu", "cuda")  # troupe.kernels.select: "auto" 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # docs/sampling.md
 DEVICES = ("auto", "cpu", "cuda")  # troupe.kernels.select.resolve_device: "auto" is "cuda" when torch sees a GPU
 QUANTIZATIONS = ("auto", "dequantize", "gguf", "gguf-q8")  # troupe.models.loader.resolve_quantization
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's; on the CPU the only value accepted (troupe.core.model_runner)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype; "auto": the kernel set's choice
 
 
@@ -39,7 +40,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     decode_row_cache_bytes: int | None = None  # eager decode attention's contiguous K/V rows; None: 2x the pool; 0: off
     kernels: str = "auto"  # the kernel set (troupe.kernels): "auto", or a name from KERNEL_SETS
     # --- CUDA (docs/kernels.md, "Running on a GPU")
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (weights, activations, KV)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # share of the GPU's memory the engine may use
+    # (weights, activations, KV); an engine on the CPU refuses any other value (it sizes no GPU memory)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # GGUF weights (docs/kernels.md): "auto" (a GGUF keeps its blocks, a folder its dtype), "dequantize"
     # (expand to float32 at load: the reference), "gguf" (blocks, float32 activations), "gguf-q8" (blocks,
@@ -110,6 +112,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("kv_cache_dtype", f"the eager kernel set keeps the KV pool in the model's dtype: "
                                     f"must be 'auto' or dtype ({self.dtype!r}) with kernels='eager', "
                                     f"got {self.kv_cache_dtype!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidInputError("seed", f"must be an integer (the engine's random state is always seeded), got "
+                                    f"{self.seed!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

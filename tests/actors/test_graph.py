@@ -26,7 +26,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 def test_the_request_table_and_engine_stats_exist_before_the_start() -> None:
     """A crash at any point of the start-up finds the table and the stats object to report to."""
     graph = Graph(EngineConfig(data_parallel_size=2, multiprocess=False))
-    assert graph.table.num_unfinished == 0 and graph.table.dead_error is None
+    assert graph.num_unfinished == 0 and graph.dead_error is None
     assert sorted(graph.stats.latest) == [0, 1]
 
 

@@ -48,23 +48,24 @@ def test_bad_device_options_are_refused_before_any_engine_starts(tiny_llama: Pat
 
 
 def test_gpu_options_leave_the_cpu_engine_as_it_is(tiny_llama: Path) -> None:
-    """On the CPU, device="cpu" with enforce_eager and a gpu_memory_utilization runs the eager set and
-    generates the same greedy tokens as the defaults ("auto" is the CPU here)."""
+    """On the CPU, device="cpu" with enforce_eager and the default gpu_memory_utilization (any other
+    value is refused there: tests/facades/test_vllm_entry_points.py) runs the eager set and generates
+    the same greedy tokens as the defaults ("auto" is the CPU here)."""
     prompts = ["hello there", "the sky is"]
     with LLM(model=str(tiny_llama), dtype="float32", multiprocess=False) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(model=str(tiny_llama), dtype="float32", device="cpu", enforce_eager=True, gpu_memory_utilization=0.3,
+    with LLM(model=str(tiny_llama), dtype="float32", device="cpu", enforce_eager=True, gpu_memory_utilization=0.9,
              multiprocess=False) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want and all(len(t) == 4 for t in got)
 
 
 def test_cli_device_options(tiny_llama: Path) -> None:
-    """`troupe generate --device cpu --enforce-eager --gpu-memory-utilization 0.5` streams an answer;
+    """`troupe generate --device cpu --enforce-eager --gpu-memory-utilization 0.9` streams an answer;
     `--device cuda` without a GPU is an error naming `device`, exit code 2, no traceback."""
     base = [sys.executable, "-m", "troupe.cli", "generate", "hi", "--model", str(tiny_llama), "--dtype", "float32",
             "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--in-process"]
-    ok = subprocess.run(base + ["--device", "cpu", "--enforce-eager", "--gpu-memory-utilization", "0.5"],
+    ok = subprocess.run(base + ["--device", "cpu", "--enforce-eager", "--gpu-memory-utilization", "0.9"],
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert ok.stdout.strip()

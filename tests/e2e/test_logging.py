@@ -328,7 +328,7 @@ async def test_stats_line_is_silent_while_idle(llm: AsyncLLM, log_level: Any) ->
     log_level("info")
     graph = llm._graph
     assert graph is not None
-    stats = StatsLogger(graph.stats, lambda: graph.table.num_unfinished, 0.05)
+    stats = StatsLogger(graph.stats, lambda: graph.num_unfinished, 0.05)
     with capture_logs() as logs:
         async with anyio.create_task_group() as tg:
             await tg.start(stats.run)

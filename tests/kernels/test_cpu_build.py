@@ -77,3 +77,31 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "built" and not (folder / "lock").exists()
+
+
+@needs_build
+@pytest.mark.timeout(600)  # two small C++ builds
+def test_prebuilt_libraries_load_without_the_toolchain(tmp_path):
+    """`prebuild` compiles each ISA's library into its own cache folder, marked complete; a later process
+    loads a completed one directly (here with cpp_extension's build made to fail), so another checkout or
+    virtual environment with the same torch and compiler does not build again."""
+    env = {**os.environ, "TROUPE_CACHE_DIR": str(tmp_path)}
+    prebuild = "from troupe.kernels.cpu import build; build.prebuild({'probe': ('probe.cpp',)}, ('native', 'avx2'))"
+    subprocess.run([sys.executable, "-c", prebuild], env=env, check=True, timeout=600)
+    folders = sorted((tmp_path / "kernels").glob("probe-*"))
+    assert len(folders) == 2 and all((f / "built").exists() for f in folders)
+    code = textwrap.dedent("""
+        import torch, torch.utils.cpp_extension as ce
+        def no_build(*args, **kwargs):
+            raise RuntimeError("built again")
+        ce.load = no_build
+        from troupe.kernels.cpu import build
+        build.build("probe", ("probe.cpp",))
+        print(torch.ops.troupe_probe.isa())
+    """)
+    for isa in ("native", "avx2"):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "TROUPE_CPU_ISA": isa}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        native = "avx512" if "avx512f" in build.cpu_flags() else "avx2"
+        assert out.stdout.strip() == (native if isa == "native" else "avx2")

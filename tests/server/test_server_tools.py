@@ -30,8 +30,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @asynccontextmanager
-async def openai_client(engine: FakeEngine) -> AsyncIterator[openai.AsyncOpenAI]:
-    app = make_app(engine)
+async def openai_client(engine: FakeEngine, **settings: Any) -> AsyncIterator[openai.AsyncOpenAI]:
+    app = make_app(engine, **settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
@@ -192,3 +192,28 @@ def test_hermes_parser_whole_and_streamed_agree() -> None:
     assert parse_tool_calls("no tools here").tool_calls == []
     assert tool_calls_from_required('[{"name": "a", "parameters": {"x": 1}}]')[0].arguments == '{"x": 1}'  # type: ignore[index]
     assert tool_calls_from_required('[{"name": "a", "param') is None
+
+
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "limit": {"type": "integer"}}}}}
+CODER_CALL = ("<tool_call>\n<function=search>\n<parameter=query>\n42\n</parameter>\n<parameter=limit>\n5\n"
+              "</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_qwen3_coder_calls_typed_by_the_requests_tools(stream: bool) -> None:
+    """`--tool-call-parser qwen3_coder`: the XML-style block becomes a call whose arguments are typed by the
+    request's own tool schema (the query stays the string "42", the limit is the integer 5), read by the
+    openai client whole and streamed."""
+    outputs = pieces(CODER_CALL, 3) if stream else [final(CODER_CALL)]
+    async with openai_client(FakeEngine(outputs), tool_call_parser="qwen3_coder") as client:
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="fake", messages=ASK, tools=[SEARCH], stream=True)]  # type: ignore[list-item]
+            calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            resp = await client.chat.completions.create(model="fake", messages=ASK, tools=[SEARCH])  # type: ignore[list-item]
+            calls, finish = list(resp.choices[0].message.tool_calls or []), resp.choices[0].finish_reason
+    assert finish == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("search", {"query": "42", "limit": 5})]

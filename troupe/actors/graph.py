@@ -18,6 +18,10 @@ stream ends with finish_reason "abort"), closes the submission stream and cancel
 group: an in-process step in flight finishes first; an engine process is stopped (see
 troupe.process.client).
 
+Facades use the graph through its port (troupe.actors.port.FrontendPort: submit, abort, utility calls,
+health, statistics); the request table (`RequestTable`) is the graph's own, and each actor gets a
+Protocol of only what it may call on it (`Registrar`, `OutputSink`).
+
 Every task is started the same way, `await tg.start(self._supervised, name, actor.run)`: an
 actor's `run(task_status=...)` signals `started()` once it is ready. An essential actor that crashes
 does not take the caller's code down with it: `_supervised` turns the crash into `EngineDeadError`
@@ -33,7 +37,7 @@ import contextlib
 import dataclasses
 import time
 import traceback
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Generic, TypeVar
 
@@ -45,17 +49,19 @@ from anyio.streams.memory import MemoryObjectSendStream
 from troupe.actors.dp_balancer import DPBalancer
 from troupe.actors.engine_side import EngineSide, make_engine_side
 from troupe.actors.engine_stats import EngineStats
-from troupe.actors.input_processor import FrontendInput, InputProcessor
+from troupe.actors.input_processor import FrontendInput, InputProcessor, Submission
 from troupe.actors.output_handler import OutputHandler
-from troupe.actors.requests import RequestTable
+from troupe.actors.reply import Reply
+from troupe.actors.requests import RequestStream, RequestTable
 from troupe.actors.stats_logger import StatsLogger
 from troupe.actors.streams import GraphStreams, TokenizerPrefetch
 from troupe.config import EngineConfig
 from troupe.engine.build import EngineReady, MakeCore
-from troupe.errors import EngineStartupError, first_startup_error
+from troupe.errors import EngineDeadError, EngineStartupError, first_startup_error
 from troupe.hooks import load as load_hooks
 from troupe.inputs import ModelLimits
 from troupe.limits import InputLimits
+from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
 
 log = structlog.get_logger("troupe.graph")
 GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its caller's task, whose
@@ -63,7 +69,7 @@ GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its ca
 
 
 class Graph(anyio.AsyncContextManagerMixin):
-    """The running actor graph of one `AsyncLLM`.
+    """The running actor graph of one `AsyncLLM`; its facade-facing methods are the `FrontendPort`.
 
     Start-up, in order (`__asynccontextmanager__`): 1. the streams; 2. the engine sides (each loads
     its model; the tokenizer loads meanwhile); 3. the frontend: the balancer (several engines), the
@@ -74,30 +80,101 @@ class Graph(anyio.AsyncContextManagerMixin):
     def __init__(self, config: EngineConfig, *, make_core: MakeCore | None = None) -> None:
         self.config = config
         self._make_core = make_core
-        self.table = RequestTable()
+        self._table = RequestTable()
         self.stats = EngineStats(config.data_parallel_size)
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
-        self.submit: MemoryObjectSendStream[FrontendInput] | None = None
+        self._submit: MemoryObjectSendStream[FrontendInput] | None = None
         self.engines: list[EngineSide] = []
         self.balancer: DPBalancer | None = None
         self.output_handler: OutputHandler | None = None
         self.input_processor: InputProcessor | None = None
         self.stats_logger: StatsLogger | None = None
+        self._actor_scopes: list[anyio.CancelScope] = []  # one per supervised task: `stop()` cancels them
+        self._actors_running = 0
+        self._actors_ended: anyio.Event | None = None  # set when no supervised task runs any more
+        self._stopping = False
+        self._waiting: set[Reply[Any]] = set()  # the replies callers wait on: failed if the graph stops first
 
     @property
     def pids(self) -> list[int]:
         """Process ids of the engine processes this graph started and that still run."""
         return [pid for side in self.engines for pid in side.pids]
 
+    # ------------------------------------------------------------ the port (troupe.actors.port.FrontendPort)
+
+    async def submit(self, sub: Submission) -> RequestStream:
+        """Send one submission to the input processor and wait for its answer: the registered stream,
+        or the validation error raised. A caller that goes away first abandons the reply: the request
+        is not sent, or, if it was registered already, aborted."""
+        assert self._submit is not None
+        self._waiting.add(sub.reply)
+        try:
+            await self._submit.send(sub)
+            return await sub.reply.wait()
+        except BaseException:
+            stream = sub.reply.abandon()
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.abort([stream.request_id], internal=True)
+            raise
+        finally:
+            self._waiting.discard(sub.reply)
+
+    async def abort(self, request_ids: str | Iterable[str], *, internal: bool = False) -> None:
+        """End requests with finish_reason "abort" (the users' ids: every request under each; with
+        `internal`, the graph's own) and tell the engine, unless the graph stops or the engine died
+        (then there is no engine to tell)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        internal_ids = ids if internal else self._table.internal_ids(ids)
+        if not internal_ids:
+            return
+        live = self._table.abort(internal_ids)
+        if live and self._submit is not None and not self._stopping and self._table.dead_error is None:
+            try:
+                await self._submit.send(AbortRequest(live))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # shutting down: the engine goes away with everything in it
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Call `method(*args)` on the engine(s): its result; a failure there is a RuntimeError with
+        the engine's message; the engine's death, its EngineDeadError."""
+        assert self._submit is not None
+        call_id, reply = self._table.new_call()
+        self._waiting.add(reply)
+        try:
+            await self._submit.send(UtilityCall(call_id, method, list(args)))
+            result = await reply.wait()
+        finally:
+            self._table.end_call(call_id)
+            self._waiting.discard(reply)
+        if result.failure is not None:
+            raise RuntimeError(result.failure)
+        return result.result
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._table.dead_error
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._table.num_unfinished
+
+    @property
+    def engine_stats(self) -> dict[int, SchedulerStats]:
+        return dict(self.stats.latest)
+
+    # ------------------------------------------------------------ lifecycle
+
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Graph]:
+        self._actors_ended = anyio.Event()
         with contextlib.ExitStack() as ends:
             streams = GraphStreams(self.config.data_parallel_size, ends)
             async with anyio.create_task_group() as tg:
                 await self._start_engines(tg, streams)
                 await self._start_frontend(tg, streams)
-                self.submit = streams.submit_send
+                self._submit = streams.submit_send
                 first = self.engines[0].ready
                 assert self.limits is not None
                 log.info("graph ready", actor=GRAPH, model=self.config.model, max_model_len=self.limits.max_model_len,
@@ -107,9 +184,28 @@ class Graph(anyio.AsyncContextManagerMixin):
                     yield self
                 finally:
                     # shutdown: end every stream, stop taking work, then stop the actors
-                    self.table.abort(self.table.live_ids())
-                    streams.submit_send.close()
+                    self._end_requests()
                     tg.cancel_scope.cancel()
+
+    def _end_requests(self) -> None:
+        """Every live request ends with finish_reason "abort", every submission or utility call not
+        answered yet fails (`RuntimeError`), and the submission stream closes."""
+        self._stopping = True
+        self._table.abort(self._table.live_ids())
+        for reply in list(self._waiting):
+            reply.fail(RuntimeError("the engine was shut down before it answered"))
+        if self._submit is not None:
+            self._submit.close()
+
+    async def stop(self) -> None:
+        """Stop the graph before its context ends (`AsyncLLM.shutdown`): end every request as leaving
+        does, cancel every actor and wait until all have stopped (the engine processes included, each
+        within its bounded stop). Idempotent; leaving the context afterwards has nothing left to do."""
+        self._end_requests()
+        for scope in self._actor_scopes:
+            scope.cancel()
+        if self._actors_ended is not None and self._actors_running:
+            await self._actors_ended.wait()
 
     async def _start_engines(self, tg: TaskGroup, streams: GraphStreams) -> None:
         """Step 2: every engine side at once (each loads its model: they decide the limits the
@@ -132,8 +228,8 @@ class Graph(anyio.AsyncContextManagerMixin):
         first = self.engines[0].ready
         # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
         self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
-        self.table.set_tokenizer(self.tokenizer)
-        load_hooks(self.config.hooks).frontend_built(self.table.processor)  # no-op unless a plugin is named
+        self._table.set_tokenizer(self.tokenizer)
+        load_hooks(self.config.hooks).frontend_built(self._table.processor)  # no-op unless a plugin is named
         self.limits = _group_limits([side.ready for side in self.engines], self.config.input_limits)
 
     async def _start_frontend(self, tg: TaskGroup, streams: GraphStreams) -> None:
@@ -144,19 +240,19 @@ class Graph(anyio.AsyncContextManagerMixin):
             self.balancer = DPBalancer(streams.to_engine_recv, [send for send, _ in streams.per_engine],
                                        streams.merged_recv, streams.clone(streams.from_engine_send))
             await tg.start(self._supervised, "balancer", self.balancer.run)
-        self.output_handler = OutputHandler(self.table, self.stats, streams.from_engine_recv,
+        self.output_handler = OutputHandler(self._table, self.stats, streams.from_engine_recv,
                                             streams.to_engine_send.clone(), chunk_size=self.config.output_chunk_size,
                                             to_input=streams.clone(streams.submit_send))
         await tg.start(self._supervised, "output_handler", self.output_handler.run)
         block_size = self.engines[0].ready.block_size
         self.input_processor = InputProcessor(
-            self.tokenizer, self.limits, self.table, streams.submit_recv, streams.to_engine_send,
+            self.tokenizer, self.limits, self._table, streams.submit_recv, streams.to_engine_send,
             share_prefill_tokens=block_size if self.config.enable_prefix_caching else None)
         await tg.start(self._supervised, "input_processor", self.input_processor.run)
         if self.config.engine_hang_timeout_s is not None:
             await tg.start(self._supervised, "progress_watch", self._watch_progress, False)
         if self.config.log_stats_interval_s is not None:
-            self.stats_logger = StatsLogger(self.stats, lambda: self.table.num_unfinished,
+            self.stats_logger = StatsLogger(self.stats, lambda: self._table.num_unfinished,
                                             self.config.log_stats_interval_s)
             await tg.start(self._supervised, "stats_logger", self.stats_logger.run, False)
 
@@ -169,8 +265,13 @@ class Graph(anyio.AsyncContextManagerMixin):
         stats logger, the progress watch) is logged ("observer crashed") and the graph goes on
         without it."""
         status = _Started(task_status)
+        self._actors_running += 1
         try:
-            await run(task_status=status)
+            with anyio.CancelScope() as scope:
+                self._actor_scopes.append(scope)
+                if self._stopping:
+                    scope.cancel()
+                await run(task_status=status)
         except Exception as exc:
             if not status.done:
                 raise  # a start-up failure: the caller of start() gets it
@@ -179,7 +280,11 @@ class Graph(anyio.AsyncContextManagerMixin):
                 return
             log.error("actor crashed", actor=GRAPH, crashed_actor=name, exc_info=exc)
             reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            self.table.fail_all(f"{name} crashed: {reason}", exc)
+            self._table.fail_all(f"{name} crashed: {reason}", exc)
+        finally:
+            self._actors_running -= 1
+            if not self._actors_running and self._actors_ended is not None:
+                self._actors_ended.set()
 
     def stalled_for(self) -> tuple[float, int | None]:
         """(seconds, engine rank or None) of the longest stall of an engine while it holds requests:
@@ -188,9 +293,9 @@ class Graph(anyio.AsyncContextManagerMixin):
         if self.balancer is not None:
             seconds, rank = self.balancer.stalled_for()
             return seconds, rank if rank >= 0 else None
-        if not self.table.num_unfinished:
+        if not self._table.num_unfinished:
             return 0.0, 0
-        return time.monotonic() - max(self.stats.last_progress, self.table.busy_since), 0
+        return time.monotonic() - max(self.stats.last_progress, self._table.busy_since), 0
 
     async def _watch_progress(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Log an engine that finishes no step for `engine_hang_timeout_s` while requests wait (and
@@ -206,7 +311,7 @@ class Graph(anyio.AsyncContextManagerMixin):
                 hung = True
                 log.warning("engine hung: no step finished while requests wait", actor=GRAPH,
                             stalled_s=round(stalled, 1),
-                            waiting=self.table.num_unfinished, engine_pids=self.pids, hung_engine=rank)
+                            waiting=self._table.num_unfinished, engine_pids=self.pids, hung_engine=rank)
             elif hung and stalled <= limit_s:
                 hung = False
                 log.info("engine progressing again", actor=GRAPH)

@@ -1,15 +1,16 @@
 """The input processor actor: prompts -> validated `AddRequest`s for the engine side.
 
-Inbox:    `Submission`s from the facades (prompt or chat messages, params, ids, a reply slot), and
+Inbox:    `Submission`s from the facades (prompt or chat messages, params, ids, a `Reply`), and
           the facades' `AbortRequest`s and `UtilityCall`s, passed through in order (an abort
           never overtakes the add it cancels); from the output handler, `ReleaseChildren` (n > 1:
           the children held back for a shared prefill may go now).
 Outbox:   `AddRequest`s towards the engine(s) (balancer or engine core); an n > 1 request as its n
           children (troupe.output.parallel).
 Owns:     the tokenizer; one task per long prompt (tokenized in a worker thread).
+Calls:    the request table through `Registrar` (register a request, take held children): nothing else.
 Shutdown: EndOfStream on the inbox, or cancellation.
 
-Each submission is answered through its reply slot with the request's `RequestStream` (already
+Each submission is answered through its `Reply` with the request's `RequestStream` (already
 registered in the `RequestTable`, so no output can overtake it) or with the validation error
 (`InvalidInputError`; anything else that fails on one prompt is that request's
 `EngineGenerateError`, and the other submissions go on).
@@ -26,14 +27,15 @@ more on this hot path).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe.actors.requests import RequestStream, RequestTable
+from troupe.actors.reply import Reply
+from troupe.actors.requests import RequestStream
 from troupe.errors import EngineGenerateError
 from troupe.inputs import (
     ChatMessages,
@@ -58,8 +60,21 @@ def _costly(sub: Submission) -> bool:
         params.structured_outputs is not None or bool(params.bad_words)))
 
 
-@dataclass(slots=True)
+class Registrar(Protocol):
+    """What the input processor may do with the request table (troupe.actors.requests.RequestTable)."""
+
+    def register(self, req: AddRequest, prompt_text: str | None, *,
+                 share_prefill_tokens: int | None = None) -> tuple[RequestStream, list[AddRequest]]: ...
+
+    def take_held(self, parent_id: str) -> list[AddRequest]: ...
+
+
+@dataclass(slots=True, frozen=True)
 class Submission:
+    """One request from a facade; `reply` gets its registered stream, or its validation error. A
+    caller that goes away before the answer abandons the reply, and a graph that stops answers it
+    with an error: either way the request is then not sent."""
+
     external_id: str
     params: SamplingParams
     prompt: PromptType | None = None
@@ -68,17 +83,7 @@ class Submission:
     add_generation_prompt: bool = True
     priority: int = 0
     data_parallel_rank: int | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
-    stream: RequestStream | None = None
-    error: BaseException | None = None
-    abandoned: bool = False  # the caller went away before the reply: do not send to the engine
-
-    async def wait(self) -> RequestStream:
-        await self.done.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.stream is not None
-        return self.stream
+    reply: Reply[RequestStream] = field(default_factory=Reply)
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +105,7 @@ class InputProcessorStats(NamedTuple):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, limits: ModelLimits, table: RequestTable,
+    def __init__(self, tokenizer: Any, limits: ModelLimits, table: Registrar,
                  inbox: MemoryObjectReceiveStream[FrontendInput], outbox: MemoryObjectSendStream[EngineInput],
                  *, offload_chars: int = 4096, share_prefill_tokens: int | None = None) -> None:
         """`share_prefill_tokens`: the engine's KV block size when it caches prefixes (None: it does
@@ -200,15 +205,15 @@ class InputProcessor:
         await self._register(sub, text, ids, req)
 
     async def _register(self, sub: Submission, text: str | None, ids: list[int], req: AddRequest) -> None:
+        if not sub.reply.pending:  # the caller went away, or the graph stopped and answered it
+            return
         try:
-            if sub.abandoned:
-                return
-            sub.stream, to_send = self._table.register(req, text, share_prefill_tokens=self.share_prefill_tokens)
+            stream, to_send = self._table.register(req, text, share_prefill_tokens=self.share_prefill_tokens)
         except Exception as exc:
             self._reject(sub, exc)
             return
         self._submitted += 1
-        sub.done.set()
+        sub.reply.send(stream)  # pending: checked above, with no await between
         log.debug("request submitted", request_id=sub.external_id, internal_id=req.request_id, prompt_tokens=len(ids),
                   n=req.params.n)
         for engine_req in to_send:  # the request, or (n > 1) the children to send now
@@ -220,9 +225,9 @@ class InputProcessor:
         self._rejected += 1
         if isinstance(exc, ValueError):
             log.info("request rejected", request_id=sub.external_id, error=str(exc))
-            sub.error = exc
+            sub.reply.fail(exc)
         else:
             log.error("request failed in the input processor", request_id=sub.external_id, exc_info=exc)
-            sub.error = EngineGenerateError(f"the prompt could not be processed: {type(exc).__name__}: {exc}")
-            sub.error.__cause__ = exc
-        sub.done.set()
+            error = EngineGenerateError(f"the prompt could not be processed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            sub.reply.fail(error)

@@ -6,6 +6,8 @@ Outbox:   `AbortRequest`s to the engine side for requests that finished on a sto
           `ReleaseChildren` to the input processor (n > 1: child 0 has computed the shared prompt).
 Owns:     nothing but its task; request state lives in the shared `RequestTable`, what the engines
           report of themselves in the shared `EngineStats`.
+Calls:    the table through `OutputSink` (deliver a slice, answer a utility call, the engine's death)
+          and the statistics through `StatsRecorder`: nothing else.
 Shutdown: EndOfStream on the inbox, or cancellation.
 
 Each `EngineCoreOutputs` is processed in slices of at most `chunk_size` entries with a checkpoint
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import NamedTuple, assert_never
+from typing import NamedTuple, Protocol, assert_never
 
 import anyio
 import anyio.lowlevel
@@ -28,12 +30,12 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from troupe.actors.engine_stats import EngineStats
 from troupe.actors.input_processor import FrontendInput, ReleaseChildren
-from troupe.actors.requests import RequestTable
+from troupe.errors import EngineDeadError
 from troupe.log import trace, trace_enabled
 from troupe.messages import (
     AbortRequest,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineDead,
     EngineInput,
@@ -44,6 +46,25 @@ from troupe.messages import (
 log = structlog.get_logger("troupe.output")
 
 
+class OutputSink(Protocol):
+    """What the output handler may do with the request table (troupe.actors.requests.RequestTable)."""
+
+    def process_slice(self, outputs: list[EngineCoreOutput],
+                      engine_index: int | None = None) -> tuple[list[str], list[str]]: ...
+
+    def resolve_utility(self, result: UtilityResult) -> None: ...
+
+    def fail_all(self, reason: str, cause: BaseException | None = None) -> EngineDeadError: ...
+
+
+class StatsRecorder(Protocol):
+    """What the output handler may do with the engine statistics (troupe.actors.engine_stats.EngineStats)."""
+
+    def record(self, msg: EngineCoreOutputs) -> None: ...
+
+    def progressed(self) -> None: ...
+
+
 class OutputHandlerStats(NamedTuple):
     steps_processed: int
     entries_processed: int
@@ -51,7 +72,7 @@ class OutputHandlerStats(NamedTuple):
 
 
 class OutputHandler:
-    def __init__(self, table: RequestTable, stats: EngineStats, inbox: MemoryObjectReceiveStream[EngineOutput],
+    def __init__(self, table: OutputSink, stats: StatsRecorder, inbox: MemoryObjectReceiveStream[EngineOutput],
                  to_engine: MemoryObjectSendStream[EngineInput], *, chunk_size: int = 128,
                  to_input: MemoryObjectSendStream[FrontendInput] | None = None) -> None:
         self._table = table

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import structlog
 
+from troupe.actors.reply import Reply
 from troupe.errors import EngineDeadError
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, UtilityResult
@@ -115,7 +116,7 @@ class RequestTable:
         self.processor = OutputProcessor(tokenizer)
         self.dead_error: EngineDeadError | None = None
         self.busy_since = time.monotonic()  # when the first of the live requests came (after idleness)
-        self._calls: dict[int, tuple[anyio.Event, list[UtilityResult]]] = {}
+        self._calls: dict[int, Reply[UtilityResult]] = {}
         self._call_ids = itertools.count()
 
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -201,8 +202,8 @@ class RequestTable:
             self.dead_error = err
         for rid, final in self.processor.fail_all(self.dead_error).items():
             log_finished(final, rid, finish_reason="error", error=str(self.dead_error))
-        for event, _ in self._calls.values():
-            event.set()
+        for reply in self._calls.values():
+            reply.fail(self.dead_error)
         return self.dead_error
 
     @property
@@ -211,27 +212,20 @@ class RequestTable:
 
     # ------------------------------------------------------------ utility calls
 
-    def new_call(self) -> tuple[int, anyio.Event, list[UtilityResult]]:
+    def new_call(self) -> tuple[int, Reply[UtilityResult]]:
+        """A utility call's id and its reply (failed with `EngineDeadError` if the engine dies first);
+        `end_call` forgets it."""
         call_id = next(self._call_ids)
-        event, box = anyio.Event(), list[UtilityResult]()
-        self._calls[call_id] = (event, box)
-        return call_id, event, box
+        reply = Reply[UtilityResult]()
+        if self.dead_error is not None:
+            reply.fail(self.dead_error)
+        self._calls[call_id] = reply
+        return call_id, reply
 
     def end_call(self, call_id: int) -> None:
         self._calls.pop(call_id, None)
 
     def resolve_utility(self, result: UtilityResult) -> None:
-        entry = self._calls.get(result.call_id)
-        if entry is not None:
-            event, box = entry
-            box.append(result)
-            event.set()
-
-    def utility_result(self, box: list[UtilityResult], method: str) -> Any:
-        if not box:
-            assert self.dead_error is not None
-            raise self.dead_error
-        result = box[0]
-        if result.failure is not None:
-            raise RuntimeError(result.failure)
-        return result.result
+        reply = self._calls.get(result.call_id)
+        if reply is not None:
+            reply.send(result)

@@ -111,11 +111,19 @@ def peak_child_rss_gib() -> float:
 
 
 def troupe_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kernels=args.kernels,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                enable_prefix_caching=False, multiprocess=args.multiprocess, device=args.device,
-                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    options = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, kernels=args.kernels,
+                   max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                   enable_prefix_caching=False, multiprocess=args.multiprocess, device=args.device,
+                   enforce_eager=args.enforce_eager)
+    util = args.gpu_memory_utilization
+    if util is None and args.device != "cpu":
+        import torch
+
+        util = 0.5 if torch.cuda.is_available() else None  # an engine on the CPU takes only the default
+    if util is not None:
+        options["gpu_memory_utilization"] = util
+    return options
 
 
 RANDOM_MODELS = {"1b": "hidden=2048,layers=16,heads=32,kv_heads=8,intermediate=8192"}
@@ -264,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip-core", action="store_true", help="skip the bare EngineCore loop (quicker)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where troupe and transformers run (auto: CUDA when torch sees a GPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                   help="troupe's share of the GPU (the rest is transformers'); CUDA only")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="troupe's share of the GPU (the rest is transformers'; default 0.5); CUDA only")
     p.add_argument("--enforce-eager", action="store_true", help="troupe without CUDA graphs")
     p.add_argument("--random-model", default=None, metavar="SPEC",
                    help="benchmark a random Llama built from a config instead of --model: "

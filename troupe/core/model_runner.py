@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 import torch
 
-from troupe.config import EngineConfig
+from troupe.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from troupe.core import gpu_memory
 from troupe.core.batch import ScheduledSeq
 from troupe.errors import InvalidInputError
@@ -68,6 +68,11 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model, config.revision)
         self.null_model = config.null_model
         self.device = resolve_device(config)
+        if self.device.type != "cuda" and config.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+            raise InvalidInputError("gpu_memory_utilization", f"sizes the KV cache from a GPU's memory, and this "
+                                    f"engine runs on the CPU: leave it at {DEFAULT_GPU_MEMORY_UTILIZATION} and size "
+                                    f"the pool with kv_cache_memory_bytes or num_kv_blocks, got "
+                                    f"{config.gpu_memory_utilization!r}")
         dtype = resolve_dtype(model_dtype(config, self.device), self.model_path)
         self.kernels = select_kernels(config, self.device, dtype)
         self.graphs: Any = None  # troupe.kernels.cuda.graphs.DecodeGraphs once captured

@@ -10,7 +10,7 @@
    only, and a SIGINT the kernel hands to another thread (the portal's workers, torch's) does not
    wake a main thread blocked on a lock; so the caller waits for the result in slices of
    `SIGNAL_CHECK_S`, between which a pending Ctrl-C is raised.
-4. `close()` (or leaving `with`) shuts the graph down and joins the portal thread; a
+4. `close()` (or `shutdown()`, vLLM's name, or leaving `with`) shuts the graph down and joins the portal thread; a
    `weakref.finalize` does the same for a user who forgets, so interpreter exit never hangs.
 5. Errors are the documented ones, never an `ExceptionGroup`: a bad prompt in a batch raises its
    `InvalidInputError` (the requests already submitted are aborted); after an engine death every
@@ -31,7 +31,8 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from troupe.actors.requests import RequestStream
-from troupe.errors import single_error
+from troupe.engine_args import EngineArgs
+from troupe.errors import InvalidInputError, single_error
 from troupe.facades.async_llm import AsyncLLM
 from troupe.inputs import ChatMessages, PromptType
 from troupe.outputs import RequestOutput
@@ -49,6 +50,11 @@ def _shutdown(portal: BlockingPortal, stack: contextlib.ExitStack) -> None:
 
 
 class LLM:
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """vLLM's constructor from `EngineArgs`: `LLM(**engine_args.options())`."""
+        return cls(**engine_args.options())
+
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self._stack = contextlib.ExitStack()
         self._portal = self._stack.enter_context(start_blocking_portal("asyncio"))
@@ -76,6 +82,10 @@ class LLM:
         except BaseExceptionGroup as group:  # the portal's own task group: never a group for the user
             leaf = single_error(group)
             raise leaf from leaf.__cause__
+
+    def shutdown(self) -> None:
+        """vLLM's name for `close()`."""
+        self.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -119,8 +129,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; the outputs come back in input order."""
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; the outputs come back in input order. `priority`: one for every
+        prompt, or one per prompt (anything but 0 needs `scheduling_policy="priority"`)."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         jobs = [{"prompt": p} for p in prompts]
@@ -142,13 +153,18 @@ class LLM:
 
     async def _run_batch(self, jobs: list[dict[str, Any]],
                          sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                         use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+                         use_tqdm: bool, priority: int | Sequence[int] | None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams(**self._engine.generation_defaults)
         params_list = _per_prompt(sampling_params, len(jobs))
-        priorities = list(priority) if priority is not None else [0] * len(jobs)
+        priorities: list[Any]
+        if priority is None or isinstance(priority, int | str):  # a str is checked (refused) as one value
+            priorities = [0 if priority is None else priority] * len(jobs)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(jobs):
-            raise ValueError(f"priority: {len(priorities)} values for {len(jobs)} prompts")
+            raise InvalidInputError("priority", f"{len(priorities)} values for {len(jobs)} prompts; pass one, "
+                                    "or one per prompt")
         results: list[RequestOutput | None] = [None] * len(jobs)
         streams: list[RequestStream] = []
         bar = _ProgressBar(len(jobs)) if use_tqdm else None
@@ -166,7 +182,7 @@ class LLM:
                     streams.append(stream)
             except BaseException:  # one bad prompt: the batch is refused, nothing runs on
                 with anyio.CancelScope(shield=True):
-                    await self._engine._abort_internal([st.request_id for st in streams])
+                    await self._engine.abort([st.request_id for st in streams], internal=True)
                 raise
             try:
                 async with anyio.create_task_group() as tg:
@@ -183,7 +199,7 @@ class LLM:
 
     async def _collect(self, stream: Any, index: int, results: list[RequestOutput | None],
                        bar: _ProgressBar | None) -> None:
-        async for out in self._engine._follow(stream):
+        async for out in self._engine.follow(stream):
             if out.finished:
                 results[index] = out
                 if bar is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from troupe.outputs import CompletionOutput, RequestOutput
-from troupe.server.chat import ChatCompletionRequest
+from troupe.server.chat import ChatCompletionRequest, tool_dicts
 from troupe.server.completions import finish, positions
 from troupe.server.logprobs import TokenText, chat_logprobs, prompt_logprobs_out
 from troupe.server.responses import (
@@ -67,7 +67,7 @@ class ChatFormat:
         self.req = req
         mode = req.tool_mode
         self.mode = "none" if mode == "auto" and tool_parser is None else mode
-        self._tools = tool_parser
+        self._tools = tool_parser.for_tools(tool_dicts(req.tools)) if tool_parser is not None else None
         self.reasoning = reasoning  # None where the output is constrained (the caller knows)
         self._text = TokenText(tokenizer, req.return_tokens_as_token_ids)
         self._prefix = req.echo_prefix()

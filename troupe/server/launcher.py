@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
+from troupe.tools.parsers import TOOL_PARSERS
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -73,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to keep answering 503 after the engine died, then exit 1 (<0: never)")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20)
     g.add_argument("--tool-call-parser", default="hermes",
-                   choices=["hermes", "llama3_json", "mistral", "pythonic", "none"],
+                   choices=[*TOOL_PARSERS, "none"],
                    help="the format tool calls are read in for tool_choice auto (none: not at all)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM command lines: troupe parses tool calls unless --tool-call-parser none")

@@ -106,7 +106,7 @@ class HermesStreamParser:
                     break
                 body, self._pending = self._pending[:end], self._pending[end + len(END):]
                 self._in_block = False
-                call = _call_from_json(body.strip())
+                call = self.read_block(body.strip())
                 if call is None:  # not a tool call: release the block as text, parse no more
                     self.failed = True
                     content.append(START + body + END + self._pending)
@@ -127,12 +127,16 @@ class HermesStreamParser:
         self.calls.extend(done)
         return "".join(content), done
 
+    def read_block(self, body: str) -> ToolCall | None:
+        """One block's body as a call (None: not a call). Formats with other blocks override it."""
+        return _call_from_json(body)
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the output: an open block is parsed to the end, held-back text released."""
         rest, self._pending = self._pending, ""
         if self._in_block and not self.failed:
             self._in_block = False
-            call = _call_from_json(rest.strip())
+            call = self.read_block(rest.strip())
             if call is not None:
                 self.calls.append(call)
                 return "", [call]

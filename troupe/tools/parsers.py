@@ -2,16 +2,17 @@
 
 `tool_parser(name)` gives a `ToolParser`: `parse(text)` reads one whole output into content and
 calls; `stream()` gives a parser fed text deltas (`feed(delta) -> (content, calls)`, then
-`finish()`), which agrees with `parse` on the same text. Formats: `hermes` (`hermes.py`, calls
-released as each block closes), `llama3_json`, `mistral`, `pythonic` (released at the end:
-`trigger.py`).
+`finish()`), which agrees with `parse` on the same text. Formats: `hermes` (`hermes.py`) and
+`qwen3_coder` (`qwen3_coder.py`), calls released as each block closes; `llama3_json`, `mistral`,
+`pythonic`, released at the end (`trigger.py`). `for_tools(tools)` gives the parser for one request:
+qwen3_coder types its raw-text values by the request's tool schemas, the others read typed JSON.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from troupe.tools.hermes import HermesStreamParser, ParsedToolCalls, ToolCall, parse_tool_calls
 from troupe.tools.llama3_json import MARKERS as LLAMA_MARKERS
@@ -20,9 +21,10 @@ from troupe.tools.mistral import MARKER as MISTRAL_MARKER
 from troupe.tools.mistral import parse_mistral
 from troupe.tools.pythonic import MARKERS as PYTHONIC_MARKERS
 from troupe.tools.pythonic import parse_pythonic
+from troupe.tools.qwen3_coder import Qwen3CoderStreamParser, parse_qwen3_coder, tool_schemas
 from troupe.tools.trigger import TriggerStreamParser
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 class ToolStream(Protocol):
@@ -39,6 +41,15 @@ class ToolParser:
     parse: Callable[[str], ParsedToolCalls]
     stream: Callable[[], ToolStream]
     keeps_special_tokens: bool = False  # the format's marker is a special token: decode it
+    typed_by_schema: bool = False  # `for_tools` binds the request's tool schemas
+
+    def for_tools(self, tools: list[dict[str, Any]] | None) -> ToolParser:
+        """This parser for a request offering `tools` (OpenAI shape)."""
+        if not self.typed_by_schema:
+            return self
+        schemas = tool_schemas(tools)
+        return ToolParser(self.name, lambda text: parse_qwen3_coder(text, schemas),
+                          lambda: Qwen3CoderStreamParser(schemas), self.keeps_special_tokens, True)
 
 
 def tool_parser(name: str) -> ToolParser:
@@ -54,4 +65,6 @@ def tool_parser(name: str) -> ToolParser:
     if name == "pythonic":
         return ToolParser(name, parse_pythonic, lambda: TriggerStreamParser(PYTHONIC_MARKERS, False, parse_pythonic),
                           True)
+    if name == "qwen3_coder":
+        return ToolParser(name, parse_qwen3_coder, Qwen3CoderStreamParser, typed_by_schema=True)
     raise ValueError(f"unknown tool call parser {name!r}; troupe has {list(TOOL_PARSERS)}")

@@ -7,12 +7,16 @@ short: a library of registered ops includes only ATen's core headers (compiles i
 `torch/extension.h` takes), calls cost a few microseconds, and `at::parallel_for` runs on torch's own
 OpenMP pool (`-fopenmp`), so the kernels share torch's threads instead of fighting them.
 
-The cache: `<troupe cache>/kernels/<name>-<key>/`, the key hashing the sources, the flags, torch's version
-and install folder (each virtual environment builds its own: ninja's build file names torch's headers)
-and the CPU's instruction-set flags, so a changed source, a new torch or a home directory shared with
-another kind of CPU builds anew. The sources are copied into the folder and built from there, so the
-same sources in another checkout (a fresh clone) find the build done. Concurrent first uses are safe (an
-OS file lock per build folder, which also survives a build killed midway).
+The cache: `<troupe cache>/kernels/<name>-<key>/`, the key hashing what the library depends on: the
+sources, the flags, the compiler (path and version), torch's version and the CPU's instruction-set flags,
+so a changed source, another compiler, a new torch or a home directory shared with another kind of CPU
+builds anew, while checkouts and virtual environments with the same torch share one build. A folder whose
+build completed (its `built` marker) is loaded directly with `torch.ops.load_library`, without ninja (whose
+build file names one environment's torch headers). The sources are copied into the folder and built from
+there, so the same sources in another checkout (a fresh clone) find the build done. Concurrent first uses
+are safe: an OS file lock per build folder, so a build in progress elsewhere is waited for, not
+duplicated, and a build killed midway leaves no marker and is redone. `prebuild` compiles several
+extensions at once, each in its own process (the test suite's session start uses it).
 
 Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
 AVX-512 code paths (`#ifdef __AVX512F__`) are taken where the CPU has them and the AVX2/FMA paths
@@ -28,6 +32,8 @@ import functools
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,6 +80,19 @@ def _cache_root() -> Path:
     return cache_dir() / "kernels"
 
 
+@functools.cache
+def _compiler_identity() -> str:
+    """The C++ compiler's resolved path and the first line of its `--version` (empty if it cannot say)."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or ""
+    if not compiler:
+        return ""
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+    return f"{os.path.realpath(compiler)} {out.stdout.splitlines()[0] if out.stdout else ''}"
+
+
 def _build_key(name: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
     h = hashlib.sha256()
     for src in sorted(sources):
@@ -83,8 +102,8 @@ def _build_key(name: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
         h.update(header.name.encode())
         h.update(header.read_bytes())
     h.update(" ".join(flags).encode())
+    h.update(_compiler_identity().encode())
     h.update(torch.__version__.encode())
-    h.update(str(Path(torch.__file__).parent).encode())  # ninja's build file names torch's headers: one folder each
     h.update(" ".join(sorted(cpu_flags())).encode())
     return f"{name}-{h.hexdigest()[:16]}"
 
@@ -107,8 +126,16 @@ def build(name: str, sources: Sequence[str]) -> None:
     # cpp_extension's own lock is a file it deletes when done: a build killed midway leaves it behind and
     # every later build of the folder waits for it forever. An OS lock, released when its holder dies,
     # serializes our builds instead; whoever holds it knows a leftover `lock` file is stale.
+    library = folder / f"troupe_{name}.so"
     with open(folder / "troupe.lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
+        if (folder / "built").exists():
+            try:
+                torch.ops.load_library(str(library))
+                return
+            except OSError as exc:  # a library removed or damaged by hand: build it again
+                log.warning("cached kernel library does not load: rebuilding", kernels=name, reason=str(exc))
+                (folder / "built").unlink()
         (folder / "lock").unlink(missing_ok=True)
         src = _stable_sources(folder, paths)
         try:
@@ -116,6 +143,7 @@ def build(name: str, sources: Sequence[str]) -> None:
                  extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as exc:  # cpp_extension raises RuntimeError for a failed build
             raise BuildError(f"building the {name} kernels failed: {exc}") from exc
+        (folder / "built").touch()  # only now: a build killed midway leaves no marker
 
 
 def _stable_sources(folder: Path, paths: Sequence[Path]) -> Path:
@@ -143,3 +171,21 @@ def load_ops(name: str, sources: tuple[str, ...]) -> bool:
         log.warning("compiled CPU kernels unavailable: using the eager torch kernels", kernels=name, reason=str(exc))
         return False
     return True
+
+
+def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("native",), jobs: int = 2,
+             timeout: float = 1800) -> None:
+    """Compile `extensions` (name -> sources) for each of `isas`, `jobs` builds at a time, each in its own
+    process (a process loads one library per name), into the cache that `build` then loads from. A build
+    that fails is left for `build` to report where it is used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(target: str, name: str, sources: tuple[str, ...]) -> None:
+        code = f"from troupe.kernels.cpu.build import load_ops; load_ops({name!r}, {tuple(sources)!r})"
+        env = {**os.environ, "TROUPE_CPU_ISA": target, "MAX_JOBS": "1"}  # the parallelism is ours: one job each
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=timeout, check=False)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for target in isas:
+            for name, sources in extensions.items():
+                pool.submit(one, target, name, sources)
