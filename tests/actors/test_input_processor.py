@@ -65,7 +65,7 @@ async def test_submissions_become_adds_in_order_and_aborts_never_overtake_them(t
         assert add_a.external_id == "a" and add_a.prompt_token_ids == tokenizer("hello world")["input_ids"]
         assert add_b.external_id == "b" and add_b.prompt_token_ids == [5, 6, 7] and add_b.max_tokens == 4
         assert add_a.request_id.startswith("a-") and add_a.request_id != add_b.request_id
-        assert (await a.wait()) is not None and (await b.wait()) is not None
+        assert (await a.reply.wait()) is not None and (await b.reply.wait()) is not None
         assert p.table.num_unfinished == 2
         assert p.actor.statistics() == (2, 0, 0)
 
@@ -79,14 +79,14 @@ async def test_a_bad_submission_is_answered_with_its_error_and_the_next_goes_on(
         bad_token = await p.submit("tok", {"prompt_token_ids": [5, 49152]})
         fine = await p.submit("fine", {"prompt_token_ids": [5]}, max_tokens=2)
         with pytest.raises(InvalidInputError) as long_error:
-            await too_long.wait()
+            await too_long.reply.wait()
         with pytest.raises(InvalidInputError) as token_error:
-            await bad_token.wait()
+            await bad_token.reply.wait()
         assert long_error.value.field == "prompt" and "context of 64 tokens" in str(long_error.value)
         assert token_error.value.field == "prompt_token_ids" and "token id 49152" in str(token_error.value)
         sent = await p.outbox.receive()
         assert isinstance(sent, AddRequest) and sent.external_id == "fine"
-        await fine.wait()
+        await fine.reply.wait()
         assert p.actor.statistics() == (1, 0, 2) and p.table.num_unfinished == 1
 
 
@@ -103,6 +103,6 @@ async def test_a_long_prompt_is_tokenized_off_the_loop_while_a_short_one_passes(
             assert isinstance(msg, AddRequest)
             got[msg.external_id] = msg.prompt_token_ids
         assert got == {"slow": tokenizer(long_text)["input_ids"], "quick": tokenizer("hi")["input_ids"]}
-        await slow.wait()
-        await quick.wait()
+        await slow.reply.wait()
+        await quick.reply.wait()
         assert p.actor.statistics() == (2, 1, 0)
