@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's troupe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its test helpers
 
-from troupe.testing.import_graph import cycles, import_graph, modules  # noqa: E402
+from support.import_graph import cycles, import_graph, modules  # noqa: E402
 
 
 def long_functions(path: Path, limit: int = 60) -> list[tuple[str, int]]:

@@ -7,6 +7,11 @@ imported (by a kernel test, or by an engine built with `kernels="cuda", device="
 the Triton kernels run on CPU tensors under the interpreter. Engine processes the tests spawn inherit
 it. Nothing else in troupe uses triton; the AOT compile test removes it for its subprocess. With a GPU
 it stays unset and the same tests run compiled.
+
+`tests/` goes on `PYTHONPATH` too (pytest's `pythonpath` puts it on this process's `sys.path` only):
+a config's fault plugin (`hooks="support.faults:..."`, tests/support/faults.py) is imported by name in
+every process that builds an engine, and headless engines (`python -m troupe.cli engine`), servers
+started as programs and Ray workers get the environment, not `sys.path`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def _pin_xdist_worker() -> None:
@@ -133,7 +141,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama with the default model's tokenizer, built once per session."""
-    from troupe.testing.models import make_tiny_model
+    from troupe.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
 

@@ -28,9 +28,9 @@ from troupe.sampling_params import RequestOutputKind, SamplingParams
 from troupe.structured import StructuredOutputsParams
 
 # `troupe serve`'s step budget (`max_num_batched_tokens`): a prefill is compute-bound, so a request's first
-# token waits for every step its prompt's chunks share with others' chunks; with 16 prompts arriving at
-# once, 512-token steps gave a 24% lower median time to first token than 1024-token steps (and ~2% less
-# offline throughput, which is why `LLM` and `generate` keep 1024; docs/benchmarks.md).
+# token waits for every step its prompt's chunks share with others' chunks. Smaller steps cut the median
+# time to first token when many prompts arrive at once, at a small cost in throughput: the server takes
+# 512, while `LLM` and `generate`, which are about throughput, keep 1024.
 SERVE_STEP_TOKENS = 512
 
 

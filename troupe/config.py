@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from troupe.errors import InvalidInputError
+from troupe.hooks import check_spec
 from troupe.limits import InputLimits
 from troupe.pooling import check_pooler_override
 
@@ -81,9 +82,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     log_stats_interval_s: float | None = 10.0  # the periodic stats line (silent while idle); None: off
     grammar_compile_timeout_s: float = 30.0  # a structured request whose grammar takes longer fails alone
     input_limits: InputLimits = msgspec.field(default_factory=InputLimits)  # per-request bounds (troupe.limits)
-    fault_injection: str | None = None  # TEST-ONLY, see troupe/testing/faults.py; None in real use
+    hooks: str | None = None  # "module[:argument]": a plugin at the hook points (troupe.hooks; tests' faults)
 
     def __post_init__(self) -> None:
+        check_spec(self.hooks)
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "half", "fp32"):
             raise InvalidInputError("dtype", f"must be 'auto', 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
         self.dtype = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}.get(self.dtype,

@@ -3,8 +3,7 @@
 `MemoryObjectSendStream.send` always yields to the event loop first (a checkpoint), even when the
 item fits at once. On the per-step path (engine outputs: engine actor -> bridge on one side, bridge ->
 relay -> output handler on the other) each such yield is one more pass of the event loop per token,
-and on a 2-core machine whose cores both compute those passes are taken from a compute thread
-(docs/benchmarks.md, session 12). `hand_over` gives the item to a waiting receiver or the buffer
+and on a 2-core machine whose cores both compute those passes are taken from a compute thread. `hand_over` gives the item to a waiting receiver or the buffer
 directly, and only waits (with `send`) when the buffer is full: back-pressure is unchanged, and the
 receiver still runs at the sender's next await. A closed or broken stream goes through `send` as well,
 so the errors and their timing against cancellation are `send`'s.

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from troupe.kernels.quant import QType
-    from troupe.testing.models import make_tiny_gguf
+    from troupe.models.tiny import make_tiny_gguf
 
     gguf, _ = make_tiny_gguf(tmp_path_factory.mktemp("m"), default_qtype=QType.Q4_1)
     return gguf

@@ -39,7 +39,7 @@ def test_model_order_paths_time_each_named_kernel(tmp_path, capsys: pytest.Captu
     """`--model-order --paths` on a small GGUF: one row per M, a time per named kernel and its ratio to
     the first."""
     from troupe.kernels.quant import QType
-    from troupe.testing.models import make_tiny_gguf
+    from troupe.models.tiny import make_tiny_gguf
 
     gguf, _ = make_tiny_gguf(tmp_path / "m", default_qtype=QType.Q4_1, tie=False)
     assert kernels.main(["--model-order", "--model", str(gguf), "--paths", "rows,q8-rows,panel", "--rows", "1,5",

@@ -12,7 +12,7 @@ from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
 from troupe.core.model_runner import DEFAULT_KV_CAP_BYTES, NULL_TOKEN_ID, ModelRunner
 from troupe.models.loader import resolve_model_path
-from troupe.testing.models import make_tiny_model
+from troupe.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
 

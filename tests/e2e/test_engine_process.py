@@ -2,7 +2,7 @@
 
 Each test owns its engine (most of them break it) and checks afterwards that no engine process and
 no ipc socket file is left (`check_leftovers`, from /proc and the ipc dir, not assumed). Faults come
-from the test-only `fault_injection` hook (troupe/testing/faults.py), from signals, or from a broken model
+from the test-only fault plugin (tests/support/faults.py), from signals, or from a broken model
 folder. Waiting is on events or on polled conditions under a deadline, never on a bare sleep.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import pytest
 from structlog.testing import capture_logs
+from support.faults import fault_hooks
 
 from troupe import LLM, AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 from troupe.errors import EngineHungError, EngineStartupError
@@ -62,7 +63,7 @@ async def test_silent_engine_death_fails_every_request_within_a_second(
     """SIGKILL (or a segfault) of the engine mid-stream: every stream gets EngineDeadError within
     1 s, naming the signal; errored is set; new requests and check_health raise at once."""
     fault = "crash_after_steps=20" if how == "segfault" else None
-    async with AsyncLLM(str(tiny_llama), ipc_dir=ipc_root, fault_injection=fault, **ENGINE) as llm:
+    async with AsyncLLM(str(tiny_llama), ipc_dir=ipc_root, hooks=fault_hooks(fault), **ENGINE) as llm:
         [pid] = llm.engine_pids
         started = [anyio.Event() for _ in range(8)]
         errors: list[tuple[float, BaseException]] = []
@@ -114,7 +115,7 @@ async def test_startup_timeout_stops_the_engine(tiny_llama: Path, tmp_path: Path
     started = time.monotonic()
     with anyio.fail_after(60), pytest.raises(EngineStartupError, match="not ready after engine_ready_timeout_s=2"):
         async with AsyncLLM(str(tiny_llama), ipc_dir=ipc_root, engine_ready_timeout_s=2,
-                            fault_injection=f"block_startup=1,release={never}", **ENGINE):
+                            hooks=fault_hooks(f"block_startup=1,release={never}"), **ENGINE):
             pytest.fail("the engine started")
     assert time.monotonic() - started < 2 + 2 + 5  # deadline + SIGTERM grace + slack
     check_leftovers()
@@ -153,7 +154,7 @@ async def test_hung_engine_is_reported_by_check_health(tiny_llama: Path, tmp_pat
     """A model call that blocks (alive, requests waiting, no step): check_health raises EngineHungError
     and a warning is logged, nothing is killed; once it goes on, the engine is healthy again."""
     release = tmp_path / "release"
-    async with AsyncLLM(str(tiny_llama), engine_hang_timeout_s=0.3, fault_injection=f"block_after_steps=2,release={release}",
+    async with AsyncLLM(str(tiny_llama), engine_hang_timeout_s=0.3, hooks=fault_hooks(f"block_after_steps=2,release={release}"),
                         **ENGINE, **engine_mode) as llm:
         pids = llm.engine_pids
         sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)

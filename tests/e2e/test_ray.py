@@ -35,6 +35,7 @@ from ray_helpers import (  # noqa: E402
     wait_clean,
     wait_no_processes,
 )
+from support.faults import fault_hooks  # noqa: E402
 
 from troupe import AsyncLLM, EngineDeadError, SamplingParams  # noqa: E402
 from troupe.errors import EngineStartupError  # noqa: E402
@@ -174,7 +175,7 @@ async def test_a_failing_actor_constructor_fails_the_start_and_the_other_rank_is
     with pytest.raises(EngineStartupError, match="injected actor failure") as info:
         async with AsyncLLM(str(tiny_llama), data_parallel_size=2, ray_address=ray_cluster.address,
                             ray_resources={"troupe_engine": 1},
-                            fault_injection="fail_actor_init=injected actor failure,engine=1", **ENGINE):
+                            hooks=fault_hooks("fail_actor_init=injected actor failure,engine=1"), **ENGINE):
             pass
     assert "the Ray actor of engine 1 died: ActorDiedError" in str(info.value)
     assert time.monotonic() - started < 60  # engine_ready_timeout_s is 120
@@ -190,7 +191,7 @@ async def test_a_start_cancelled_while_the_engines_load_leaves_nothing(tiny_llam
             async def start() -> None:
                 async with AsyncLLM(str(tiny_llama), data_parallel_size=2, ray_address=ray_cluster.address,
                                     ray_resources={"troupe_engine": 1}, **ENGINE,
-                                    fault_injection=f"block_startup=1,release={release}"):
+                                    hooks=fault_hooks(f"block_startup=1,release={release}")):
                     raise AssertionError("the engines cannot be ready")
 
             tg.start_soon(start)

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 from factories import TINY_ENGINE, assert_idle
+from support.faults import fault_hooks
 
 from troupe import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 
@@ -140,7 +141,7 @@ async def test_abort_by_id_returns_partial_output(shared_llm: AsyncLLM) -> None:
 async def test_model_failure_kills_every_request(tiny_llama: Path, engine_mode: dict[str, Any],
                                                  check_leftovers: Any) -> None:
     """A model exception after N steps: in-flight requests get EngineDeadError, errored is set, new calls fail."""
-    async with AsyncLLM(str(tiny_llama), fault_injection="raise_after_steps=3", **ENGINE, **engine_mode) as llm:
+    async with AsyncLLM(str(tiny_llama), hooks=fault_hooks("raise_after_steps=3"), **ENGINE, **engine_mode) as llm:
         pids = llm.engine_pids
         errors: list[BaseException] = []
 

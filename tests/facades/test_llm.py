@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
+from support.faults import fault_hooks
 
 from troupe import LLM, AsyncLLM, EngineDeadError, InvalidInputError, RequestOutputKind, SamplingParams
 
@@ -148,7 +149,7 @@ def test_after_a_death_every_call_raises_engine_dead(tiny_llama: Path, engine_mo
                                                      check_leftovers: Any) -> None:
     """The model fails during a batch: generate raises EngineDeadError with the cause (not an
     ExceptionGroup); so do every later generate, chat and utility call; close() is clean."""
-    with LLM(str(tiny_llama), fault_injection="raise_after_steps=2", **ENGINE, **engine_mode) as dying:
+    with LLM(str(tiny_llama), hooks=fault_hooks("raise_after_steps=2"), **ENGINE, **engine_mode) as dying:
         pids = dying._engine.engine_pids
         sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         with pytest.raises(EngineDeadError, match="injected model failure"):

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 from factories import TINY_ENGINE, assert_idle
+from support.faults import fault_hooks
 
 from troupe import LLM, AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
 
@@ -113,7 +114,7 @@ async def test_aborting_the_parent_aborts_every_child(llm: AsyncLLM) -> None:
 async def test_one_failing_child_finishes_alone(tiny_llama: Path) -> None:
     """Sampling fails for child 1 only (the test-only fault on its id `1_<parent id>`): that sample
     finishes with "error", the others run to their length, the final output names the sample."""
-    async with AsyncLLM(str(tiny_llama), max_model_len=256, multiprocess=False, fault_injection="fail_sampling=1_bad",
+    async with AsyncLLM(str(tiny_llama), max_model_len=256, multiprocess=False, hooks=fault_hooks("fail_sampling=1_bad"),
                         **TINY_ENGINE) as llm:
         (out,) = await outputs(llm, prompt(5000, 4), params(3, seed=1), "bad-request")
         assert {c.index: c.finish_reason for c in out.outputs} == {0: "length", 1: "error", 2: "length"}

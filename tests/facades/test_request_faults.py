@@ -1,6 +1,6 @@
 """Per-request fault isolation: a failure that belongs to one request fails that request alone.
 
-The test-only fault hook (troupe/testing/faults.py) makes one request's sampling raise in the engine
+The test-only fault plugin (tests/support/faults.py) makes one request's sampling raise in the engine
 (`fail_sampling`) and another's detokenization raise in the frontend (`fail_detokenize`); in every
 engine mode (`engine_mode`) the poisoned requests finish with finish_reason "error" and the error
 text, every other request finishes as if nothing happened, no request state or KV block is left,
@@ -19,6 +19,7 @@ import pytest
 from factories import TINY_ENGINE as ENGINE
 from factories import assert_idle
 from structlog.testing import capture_logs
+from support.faults import fault_hooks
 
 from troupe import AsyncLLM, InvalidInputError, RequestOutput, RequestOutputKind, SamplingParams
 
@@ -32,7 +33,7 @@ FAULTS = "fail_sampling=poison-s,fail_detokenize=poison-d"
 @pytest.fixture(scope="module")
 async def faulty_llm(tiny_llama: Path, engine_mode: dict[str, Any], check_leftovers: Any) -> AsyncIterator[AsyncLLM]:
     """One engine per mode with the two per-request faults armed."""
-    async with AsyncLLM(str(tiny_llama), max_model_len=256, fault_injection=FAULTS, **ENGINE, **engine_mode) as llm:
+    async with AsyncLLM(str(tiny_llama), max_model_len=256, hooks=fault_hooks(FAULTS), **ENGINE, **engine_mode) as llm:
         yield llm
     check_leftovers()
 
@@ -92,7 +93,7 @@ async def test_a_failure_after_the_stream_started(tiny_llama: Path, check_leftov
     (the other request finishes); the error reaches the canonical "request finished" line and a
     "request failed" line with the traceback; the engine serves the next request."""
     faults = "fail_sampling=late,fail_after_tokens=3"
-    async with AsyncLLM(str(tiny_llama), fault_injection=faults, multiprocess=False, **ENGINE) as llm:
+    async with AsyncLLM(str(tiny_llama), hooks=fault_hooks(faults), multiprocess=False, **ENGINE) as llm:
         with capture_logs() as logs:
             got = await run(llm, {"late": greedy(10), "fine": greedy(10)})
         finished = {e["request_id"]: e for e in logs if e["event"] == "request finished"}

@@ -15,6 +15,7 @@ import anyio
 import pytest
 import torch
 from factories import TINY_ENGINE
+from support.faults import fault_hooks
 
 from troupe import LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 from troupe.config import EngineConfig
@@ -221,7 +222,7 @@ async def test_shutdown_answers_the_calls_still_waiting(tiny_llama: Path, tmp_pa
     fails it with a RuntimeError instead of leaving it waiting, and the request in the step ends with
     finish_reason "abort"."""
     release = tmp_path / "release"  # never made: the first model call stays blocked
-    async with AsyncLLM(str(tiny_llama), fault_injection=f"block_after_steps=0,release={release}",
+    async with AsyncLLM(str(tiny_llama), hooks=fault_hooks(f"block_after_steps=0,release={release}"),
                         engine_hang_timeout_s=0.2, engine_shutdown_timeout_s=0.5, ipc_dir=ipc_root,
                         **TINY_ENGINE) as llm:
         pids = llm.engine_pids

@@ -19,7 +19,7 @@ from troupe.kernels.cpu import CpuKernels, available
 from troupe.kernels.cpu.linear import bf16_unsupported
 from troupe.kernels.quant import QType
 from troupe.models.loader import load_model
-from troupe.testing.models import make_tiny_gguf
+from troupe.models.tiny import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not available(), reason="the compiled CPU kernels do not build here")
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from structlog.testing import capture_logs
+from support.faults import fault_hooks
 
 from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
@@ -175,7 +176,7 @@ def test_pool_is_sized_from_gpu_memory(tiny_llama: Path) -> None:
 
 def test_engine_on_gpu_isolates_a_failing_sample(tiny_llama: Path) -> None:
     """A real engine on the GPU samples with the device sampler; a request whose sampling fails
-    (fault_injection) finishes with an error while the others in its batch get all their tokens, and a
+    (the fault plugin) finishes with an error while the others in its batch get all their tokens, and a
     seeded request gets the same tokens again afterwards."""
     import anyio
 
@@ -186,7 +187,7 @@ def test_engine_on_gpu_isolates_a_failing_sample(tiny_llama: Path) -> None:
     async def main() -> dict[str, Any]:
         finals: dict[str, Any] = {}
         async with AsyncLLM(str(tiny_llama), device="cuda", num_kv_blocks=256, max_num_seqs=8,
-                            fault_injection="fail_sampling=bad") as llm:
+                            hooks=fault_hooks("fail_sampling=bad")) as llm:
 
             async def one(rid: str) -> None:
                 async for out in llm.generate("the same prompt", params, request_id=rid):

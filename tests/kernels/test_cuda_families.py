@@ -12,7 +12,7 @@ import torch
 from factories import engine_greedy
 
 from troupe.config import EngineConfig
-from troupe.testing.models import make_transformers_model
+from troupe.models.tiny import make_transformers_model
 
 SMALL = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,

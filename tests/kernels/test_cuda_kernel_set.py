@@ -21,7 +21,7 @@ from troupe.core.model_runner import ModelRunner
 from troupe.errors import InvalidInputError
 from troupe.kernels.cuda.kernel_set import CudaKernels
 from troupe.kernels.quant import QType, QuantizedTensor
-from troupe.testing.models import make_tiny_gguf
+from troupe.models.tiny import make_tiny_gguf
 
 SEQS = [
     [5, 100, 2000, 7, 8, 9, 10, 11, 12, 13, 14],

@@ -50,7 +50,7 @@ sys.exit(main(sys.argv[1:]))
 def eager_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], str]:
     """A tiny Q4_1 GGUF and the CLI's greedy answer on it with `--kernels eager` asked for: (args, stdout)."""
     from troupe.kernels.quant import QType
-    from troupe.testing.models import make_tiny_gguf
+    from troupe.models.tiny import make_tiny_gguf
 
     gguf_path, _ = make_tiny_gguf(tmp_path_factory.mktemp("select") / "m", default_qtype=QType.Q4_1)
     args = ["generate", "hello world", "--model", str(gguf_path), "--max-tokens", "6", "--temperature", "0",

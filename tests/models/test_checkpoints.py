@@ -30,7 +30,7 @@ from troupe.kernels.quant import QType, QuantizedTensor
 from troupe.models.checkpoint import CheckpointWeights
 from troupe.models.checkpoint_quant import read_quant_scheme
 from troupe.models.loader import load_model
-from troupe.testing.models import make_tiny_model
+from troupe.models.tiny import make_tiny_model
 
 LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -391,7 +391,7 @@ def test_harmless_unused_tensors_get_one_log_line(pairs: Any, tmp_path: Path):
 
 def test_an_unused_gguf_tensor_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A GGUF file with a tensor the model does not read fails naming it (the GGUF name)."""
-    import troupe.testing.models as models
+    import troupe.models.tiny as models
 
     make = models.make_tiny_model
 

@@ -18,7 +18,7 @@ import torch
 from factories import engine_greedy, transformers_greedy
 
 from troupe.config import EngineConfig
-from troupe.testing.models import make_transformers_model
+from troupe.models.tiny import make_transformers_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -21,7 +21,7 @@ from troupe.kernels.cpu import build
 from troupe.kernels.quant import QType, QuantizedTensor
 from troupe.models.default_model import find_default_gguf
 from troupe.models.loader import load_model, load_tokenizer, read_model_info
-from troupe.testing.models import make_tiny_gguf
+from troupe.models.tiny import make_tiny_gguf
 
 torch.set_num_threads(1)
 

@@ -15,8 +15,8 @@ from troupe.core.engine_core import EngineCore
 from troupe.errors import ModelLoadError
 from troupe.messages import AddRequest
 from troupe.models.loader import resolve_model_path
+from troupe.models.tiny import make_tiny_model
 from troupe.sampling_params import SamplingParams
-from troupe.testing.models import make_tiny_model
 
 COMMITS = {"main": "a" * 40, "v2": "b" * 40}
 

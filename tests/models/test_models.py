@@ -14,7 +14,7 @@ from troupe.errors import ModelLoadError
 from troupe.kernels import KVSpec
 from troupe.models import default_model
 from troupe.models.loader import load_model, load_tokenizer, read_model_info, resolve_model_path
-from troupe.testing.models import make_tiny_model
+from troupe.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
 

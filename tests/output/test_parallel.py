@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from factories import add_request
+from support.faults import _FailingDetokenizer
 
 from troupe.actors.requests import RequestTable
 from troupe.messages import EngineCoreOutput, FinishReason
@@ -17,7 +18,6 @@ from troupe.output.parallel import fan_out
 from troupe.output.processor import OutputProcessor
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
-from troupe.testing.faults import _FailingDetokenizer
 
 K = RequestOutputKind
 WORDS = [" one", " two", " three", " four", " five", " six"]

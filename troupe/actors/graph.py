@@ -58,10 +58,10 @@ from troupe.actors.streams import GraphStreams, TokenizerPrefetch
 from troupe.config import EngineConfig
 from troupe.engine.build import EngineReady, MakeCore
 from troupe.errors import EngineDeadError, EngineStartupError, first_startup_error
+from troupe.hooks import load as load_hooks
 from troupe.inputs import ModelLimits
 from troupe.limits import InputLimits
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
-from troupe.testing import faults
 
 log = structlog.get_logger("troupe.graph")
 GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its caller's task, whose
@@ -229,7 +229,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
         self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
         self._table.set_tokenizer(self.tokenizer)
-        faults.install_frontend(self._table.processor, self.config.fault_injection)  # test-only
+        load_hooks(self.config.hooks).frontend_built(self._table.processor)  # no-op unless a plugin is named
         self.limits = _group_limits([side.ready for side in self.engines], self.config.input_limits)
 
     async def _start_frontend(self, tg: TaskGroup, streams: GraphStreams) -> None:

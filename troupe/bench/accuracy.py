@@ -117,3 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"gap) {sorted(where)}; last-prompt-position logits vs transformers: max |diff| {diff.max():.2e}, "
               f"mean {mean:.2e}", flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """`python -m troupe.bench.host`: the host side of a decode step, phase by phase, on a bare `EngineCore`.
 
 Where `python -m troupe.bench.step` splits the model's work, this splits the engine's, for a device whose
-step is bound by the host rather than the model: on the H200 the default model's step at 256 sequences
-took ~6.6 ms while its GPU work is well under that (docs/benchmarks.md, "GPU"). For each batch size B of
+step is bound by the host rather than the model, as the default model's batched step is on a GPU
+(docs/benchmarks.md, "GPU"). For each batch size B of
 `--batches`, B requests of `--context` random prompt tokens are prefilled, then every round (`--repeats`)
 runs `--steps` decode steps of all B, each step and each of its phases timed by wrappers around the calls:
 
@@ -18,7 +18,7 @@ runs `--steps` decode steps of all B, each step and each of its phases timed by 
 
 Prints the medians over the rounds, in milliseconds per step, with each phase's share. `--null-model`
 runs the engine with no model at all (a fixed token, no compute): the host phases alone. Nothing here is
-a test: it prints figures (docs/benchmarks.md has them).
+a test: it prints figures (docs/benchmarks.md lists the tools).
 """
 
 from __future__ import annotations

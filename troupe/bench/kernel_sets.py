@@ -97,3 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         off = f"{med_off[k]:>14.1f}{med_off[k] / med_off[first]:>6.2f}x" if k in med_off else f"{'-':>14}{'-':>7}"
         print(f"{k:<16}{off}{ttft[k]:>9.1f}{itl[k]:>8.2f}{itl[first] / itl[k]:>6.2f}x{rss[k]:>13.2f} GiB")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

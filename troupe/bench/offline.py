@@ -16,7 +16,7 @@ default model (`1b`: hidden 2048, 16 layers, 32 heads / 8 kv heads, ffn 8192, th
 troupe's from its request metrics, transformers' batch-1 `generate` as the baseline).
 
 `--warmup-rounds` (default: 1 on the GPU, 0 on the CPU) runs whole rounds of both sides first, unmeasured:
-on an H200 a first round ran 2.5-3x slower than the next ones on both sides (troupe: Triton compiling the
+on a GPU a first round runs well below the next ones on both sides (troupe: Triton compiling the
 kernel variants of its first large prefill steps; transformers: its first batches at each shape), which a
 single measured round would count as throughput.
 """
@@ -134,7 +134,7 @@ _RANDOM_KEYS = {"hidden": "hidden", "layers": "num_layers", "heads": "heads", "k
 def random_model(spec: str, dtype: str, folder: str, device: str = "cpu") -> str:
     """A randomly initialised Llama folder (HF layout, the default model's tokenizer) built from `spec`,
     "key=value,..." over `_RANDOM_KEYS` or a name in `RANDOM_MODELS`; weights in `dtype`, nothing downloaded."""
-    from troupe.testing.models import make_tiny_model
+    from troupe.models.tiny import make_tiny_model
 
     shape: dict[str, int] = {}
     for item in RANDOM_MODELS.get(spec, spec).split(","):

@@ -23,7 +23,7 @@ that both see the same machine, and prints it against the bare step: the cost of
 and the frontend.
 
 Prints the medians over the rounds in milliseconds per step and each part's share of the step. Nothing
-here is a test: it prints figures (docs/benchmarks.md has them).
+here is a test: it prints figures (docs/benchmarks.md lists the tools).
 """
 
 from __future__ import annotations

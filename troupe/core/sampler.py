@@ -167,12 +167,11 @@ ARGMAX_CHUNK = 1024  # values per chunk of `row_argmax`'s first pass
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for (S, V) logits: the index of each row's first maximum (a NaN counting as the
-    maximum, as in torch). On the CPU, torch's argmax is a scalar loop (~3.7 ms for 64 rows of a
-    49k vocabulary on this machine's 2 threads) while `amax` is vectorized, so wide contiguous rows
-    take two passes: the max of each 1024-value chunk, then the argmax inside the first chunk holding
-    the row's max (~0.6 ms). Elsewhere, for narrow rows, or for a single row: `argmax`. One row, straight
-    after the LM head wrote it, is cheaper in one pass: 0.09-0.11 ms of sampling per decode step against
-    0.17-0.19 ms for the two passes' several ops (`python -m troupe.bench.step`, B = 1, the default model)."""
+    maximum, as in torch). On the CPU, torch's argmax is a scalar loop while `amax` is vectorized, so
+    wide contiguous rows take two passes, several times faster at a batch's width: the max of each
+    1024-value chunk, then the argmax inside the first chunk holding the row's max. Elsewhere, for narrow
+    rows, or for a single row: `argmax`. One row, straight after the LM head wrote it, is cheaper in one
+    pass than in the two passes' several ops (`python -m troupe.bench.step` times the sampler at B = 1)."""
     S, V = x.shape
     if x.device.type != "cpu" or V < 4 * ARGMAX_CHUNK or not x.is_contiguous() or S <= 1:
         return x.argmax(dim=-1)

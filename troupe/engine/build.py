@@ -1,7 +1,8 @@
 """Building an EngineCore and describing it to the frontend: shared by the in-process engine side
 (troupe.actors.engine_side) and the engine process (troupe.process.engine_main).
 
-`build_core` applies the test-only fault hooks (troupe.testing.faults) and turns any failure into
+`build_core` runs the config's hook points around the build (troupe.hooks: no-ops unless a plugin is
+named, as tests' fault injection does) and turns any failure into
 `EngineStartupError` with the traceback text. `ready_info` is the `EngineReady` an engine reports
 once built (over the wire from a process, or directly in-process).
 """
@@ -17,8 +18,8 @@ import msgspec
 
 from troupe.config import EngineConfig
 from troupe.errors import EngineStartupError
+from troupe.hooks import load as load_hooks
 from troupe.inputs import ModelLimits
-from troupe.testing import faults
 
 if TYPE_CHECKING:
     from troupe.core.engine_core import EngineCore
@@ -38,14 +39,16 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
 
 
 def build_core(config: EngineConfig, make_core: MakeCore | None = None, engine_index: int = 0) -> EngineCore:
-    """Build the EngineCore (blocking: a worker thread or the engine process), faults installed."""
+    """Build the EngineCore (blocking: a worker thread or the engine process) between the config's
+    `before_build` and `after_build` hook points."""
     try:
         from troupe.core.engine_core import EngineCore  # torch: only where the engine runs
 
-        faults.before_build(config.fault_injection)
+        hooks = load_hooks(config.hooks)
+        hooks.before_build()
         core = (make_core or EngineCore)(config)
         core.engine_index = engine_index
-        faults.install(core, config.fault_injection)
+        hooks.after_build(core)
         return core
     except Exception as exc:
         raise EngineStartupError.from_cause(exc, traceback.format_exc()) from exc

@@ -155,12 +155,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """A zero-filled tensor for a KV pool. On the CPU its memory is committed lazily (`anonymous_bytes`):
     a page joins the process's resident memory only when a block on it is first written, so a pool sized
     for the worst case costs only the blocks that requests have used (the scheduler's free queue hands out
-    the same blocks again first: `KVCacheManager`). The first write of each page is a fault; on this VM
-    the default model's offline benchmark writes ~1 GiB of pool, which costs ~0.3-1.4 s of a ~30 s run
-    inside `rope_and_cache` (measured against a warm pool). The pool keeps 4 KiB pages: advised for huge
-    pages, a first touch of 1 GiB took 3.4-4.1 s whenever the kernel had to compact memory for them
-    (0.13-0.19 s when free huge pages were at hand, 0.3-0.5 s with 4 KiB pages), and a huge page would
-    round each of the 2 x layers pools up by 2 MiB. Elsewhere: `torch.zeros`."""
+    the same blocks again first: `KVCacheManager`). The first write of each page is a fault, a
+    few percent of an offline run that fills the pool. The pool keeps 4 KiB pages: advised for huge
+    pages, a first touch was many times slower whenever the kernel had to compact memory for them, and a
+    huge page would round each of the 2 x layers pools up by 2 MiB. Elsewhere: `torch.zeros`."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -316,11 +314,10 @@ def flatten_step(seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
     """The step on the CPU: tokens and positions concatenated, one slot per new token, block tables padded
     to the longest context (`troupe.core.batch` has the `ScheduledSeq` contract).
 
-    Built as Python lists, then one `torch.tensor` per field. As a chain of small torch ops (an `arange`
-    per sequence, `repeat_interleave`, a gather for the slots) the cpu set's `prepare` took 0.24-0.35 ms of
-    a one-sequence decode step and 0.6 ms at 64 sequences; built this way 0.06-0.12 and 0.3-0.5 ms
-    (`python -m troupe.bench.step`, alternating). A long prefill chunk's per-token Python (~0.2 us a token)
-    stays far below its step."""
+    Built as Python lists, then one `torch.tensor` per field: a chain of small torch ops (an `arange` per
+    sequence, `repeat_interleave`, a gather for the slots) costs several times more per step, which shows
+    in a single stream's decode step (`python -m troupe.bench.step` times `prepare`). A long prefill
+    chunk's per-token Python stays far below its step."""
     bs = block_size
     lens = [len(s.token_ids) for s in seqs]
     seq_lens = [s.start_pos + n for s, n in zip(seqs, lens, strict=True)]
@@ -342,8 +339,8 @@ def flatten_step(seqs: Sequence[ScheduledSeq], block_size: int) -> StepBatch:
         slot_mapping=torch.tensor(slots),  # (T,)
         query_start_loc=torch.tensor(starts),  # (S+1,)
         seq_lens=torch.tensor(seq_lens),  # (S,)
-        block_tables=torch.from_numpy(np.array(tables, dtype=np.int64)),  # (S, width); torch.tensor on the
-        # nested list took 1.2 ms at 256 sequences, numpy 0.17
+        block_tables=torch.from_numpy(np.array(tables, dtype=np.int64)),  # (S, width); numpy: torch.tensor
+        # on the nested list is several times slower at hundreds of sequences
         max_query_len=max(lens),
         max_seq_len=max(seq_lens),
     )

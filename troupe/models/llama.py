@@ -254,8 +254,7 @@ class LlamaModel(nn.Module):
 
         With `rows` shorter than the step, the last layer computes its output projection and MLP on those
         rows only (its q/k/v, the K/V write and attention still run for every token): the other tokens'
-        outputs would be discarded, and in a prefill they are nearly all of them (a 30-layer model spends
-        ~3% of a prefill's projections there). llama.cpp trims its last layer the same way.
+        outputs would be discarded, and in a prefill they are nearly all of them. llama.cpp trims its last layer the same way.
         """
         rope: torch.Tensor = self.rope_cache  # type: ignore[assignment]  # a registered buffer
         local: torch.Tensor | None = self.rope_local  # type: ignore[assignment]

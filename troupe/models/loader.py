@@ -39,12 +39,12 @@ from troupe.models.llama import LlamaModel
 
 log = structlog.get_logger("troupe.models")
 
-# dtype="auto" (measured on SmolLM2-135M, torch 2.13, 1 thread, median of 3-5 steps):
-# - on an AVX2-only CPU (this project's dev/CI box: no avx512_bf16), bf16 matmuls fall back to a slow
-#   path: 256-token prefill 6.9 s bf16 vs 1.39 s fp32; decode of 16 seqs at ctx 300: 1076 vs 461 ms;
-#   decode of 1 seq: 113 vs 136 ms (memory-bound, the only case where bf16 wins) -> float32;
-# - with native bf16 (avx512_bf16 / amx_bf16), cpu-feasibility.md §2 measured bf16 ahead at batch 16
-#   (68 vs 110-117 ms) and level at batch 64 -> bfloat16.
+# dtype="auto" on the CPU:
+# - without native bf16 (no avx512_bf16 / amx_bf16) bf16 matmuls fall back to a slow path, several times
+#   slower than float32 for prefills and batched decodes (bf16 wins only a memory-bound single-row
+#   decode) -> float32;
+# - with native bf16, bf16 is ahead at small batches and level at large ones (shared/reference/
+#   cpu-feasibility.md §2) -> bfloat16.
 # float16 computes on the eager set and the cuda set; the compiled cpu set takes float32 / bfloat16
 # activations only, so `troupe.kernels.select` refuses it there (and "auto" picks eager on the CPU).
 _DTYPES = {

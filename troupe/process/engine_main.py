@@ -224,9 +224,9 @@ def startup_heap_frozen() -> Iterator[None]:
     """Move every object alive now (imported modules, the model, the pool, the graphs) into the cyclic
     collector's permanent generation until the block ends, after collecting what is garbage already.
 
-    They live as long as the engine, yet each full collection would scan them all: about 183k objects
-    and 80 ms in the default model's engine process, a stall of a whole step every time the step loop's
-    own survivors trigger one. Frozen, a full collection scans only what the loop made. Unfrozen on the
+    They live as long as the engine, yet each full collection would scan them all (over a hundred
+    thousand objects in the default model's engine process): a stall of a whole step every time the step
+    loop's own survivors trigger one. Frozen, a full collection scans only what the loop made. Unfrozen on the
     way out, so that a headless engine's next session can collect this one's garbage."""
     gc.collect()
     gc.freeze()

@@ -93,8 +93,8 @@ def bare_main() -> Iterator[None]:
 # region and the next even at one row per step (shorter, the torch threads sleep and are woken at almost
 # every op: each wake-up costs more than the op on a VM), short enough to bound the waste when another busy
 # process holds the core a waiting thread needs (libgomp's own default, 300,000, spins ~30x longer).
-# docs/benchmarks.md, "OpenMP spin", has the measured trade-off; where other busy processes share the
-# cores, OMP_WAIT_POLICY=PASSIVE or a lower GOMP_SPINCOUNT wins.
+# Where other busy processes share the cores, OMP_WAIT_POLICY=PASSIVE or a lower GOMP_SPINCOUNT wins
+# (docs/multiprocess.md).
 ENGINE_SPIN_COUNT = "10000"
 
 

@@ -47,6 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from troupe.config import EngineConfig
 from troupe.engine.build import EngineReady
 from troupe.errors import EngineStartupError
+from troupe.hooks import load as load_hooks
 from troupe.log import trace_enabled
 from troupe.messages import EngineInput, EngineOutput
 from troupe.process.client import EngineProcess, EngineProcessStats
@@ -63,7 +64,6 @@ from troupe.process.ray_placement import (
     unplaced_reason,
 )
 from troupe.process.ray_session import ray_session
-from troupe.testing import faults
 
 log = structlog.get_logger("troupe.ray_engine")
 
@@ -76,8 +76,8 @@ class EngineActor:
     that importing this module needs no Ray). `max_concurrency=2`: `placement` answers while `serve`
     runs."""
 
-    def __init__(self, engine_index: int, fault_injection: str | None = None) -> None:
-        faults.before_actor(fault_injection, engine_index)
+    def __init__(self, engine_index: int, hooks: str | None = None) -> None:
+        load_hooks(hooks).before_actor(engine_index)
         self.engine_index = engine_index
 
     def serve(self, endpoint: str, num_threads: int, start_timeout_s: float, log_level: str | None) -> int:
@@ -196,7 +196,7 @@ class RayEngine:
             num_cpus=self.num_cpus, num_gpus=self.bundle.get("GPU", 0.0), scheduling_strategy=strategy,
             resources={name: amount for name, amount in self.bundle.items() if name not in ("CPU", "GPU")},
             max_concurrency=2, max_restarts=0, name=f"troupe-engine-{self.engine_index}-{secrets.token_hex(3)}",
-        ).remote(self.engine_index, self.config.fault_injection)
+        ).remote(self.engine_index, self.config.hooks)
         self._serving = self.actor.serve.remote(target, self.num_cpus, self.config.engine_ready_timeout_s,
                                                 "trace" if trace_enabled() else None)
 

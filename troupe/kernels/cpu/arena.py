@@ -4,9 +4,8 @@ A decode step streams every projection's blocks once (the default model: 96 MB i
 memory they sit in matters: the arena copies them, in the order the model binds them, into anonymous
 memory aligned to 2 MiB and advised for transparent huge pages (`MADV_HUGEPAGE`; this machine's THP mode
 is "madvise", where nothing else gets huge pages). With 2 MiB pages the stream needs ~50 TLB entries
-instead of ~24k 4 KiB page walks per step; measured in model order (`python -m troupe.bench.kernels
---model-order`, docs/kernels.md), the same copy without the advice was no faster than the loader's own
-buffers. Each weight starts on a 64-byte line.
+instead of ~24k 4 KiB page walks per step; the copy pays only with the advice (without it, in model order,
+`python -m troupe.bench.kernels --model-order`, it is no faster than the loader's own buffers). Each weight starts on a 64-byte line.
 
 `place(data)` moves a weight's bytes in place (`Tensor.set_`): every holder of that tensor object (the
 model's `QuantizedTensor`, a tied embedding's lookup) sees the new storage, and the old buffer is freed

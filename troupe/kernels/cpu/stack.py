@@ -2,8 +2,8 @@
 
 The C++ op makes, layer by layer, the same calls to the same compiled kernels as
 `troupe.models.llama.DecoderLayer.forward` does from Python, so its results are the loop's bit for bit;
-what it saves is the Python around ~300 op calls a step (argument parsing and boxing on every call: a
-fifth of a single-stream decode step of the default model, docs/benchmarks.md).
+what it saves is the Python around ~300 op calls a step (argument parsing and boxing on every call),
+a large share of a single-stream decode step and a small one of a batched step (docs/kernels.md).
 
 It applies when every projection of every layer computes on GGUF blocks (`QuantizedLinear`, one format per
 projection) with the same activation mode and the model computes in float32; otherwise (a Hugging Face

@@ -121,7 +121,7 @@ class StepBuffers:
         tables = host_tables.numpy().reshape(S, width)
         tables[:] = 0
         rows = [s.block_ids[:width] for s in seqs]  # filled through one mask: a numpy row assignment per
-        counts = np.fromiter(map(len, rows), np.int64, n)  # seq took 0.5 of 0.67 ms at 256 seqs
+        counts = np.fromiter(map(len, rows), np.int64, n)  # seq was most of this method's time
         tables[:n][np.arange(width) < counts[:, None]] = np.fromiter(chain.from_iterable(rows), np.int32,
                                                                       int(counts.sum()))
         blocks = tables[seq_of_token, positions // block_size].astype(np.int64)  # (T_real,)

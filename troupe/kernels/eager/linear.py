@@ -9,7 +9,7 @@ without avx512 / avx_ne_convert, a build without oneDNN) stays dense and keeps `
 
 Why: at decode batch sizes (a few to a few dozen rows) MKL's sgemm behind `F.linear` runs the wide
 matrices (the LM head, gate/up) well below the machine's peak, and oneDNN's packed kernel runs them
-much faster; at prefill sizes the two are level (docs/benchmarks.md has the figures).
+much faster; at prefill sizes the two are level (`python -m troupe.bench.kernels` compares them).
 """
 
 from __future__ import annotations

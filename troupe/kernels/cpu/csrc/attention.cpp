@@ -171,8 +171,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   auto work = [&](int64_t, int64_t) {
     Buffers& buf = thread_buffers();
     // Each thread claims its next item before it runs the current one and requests that item's first
-    // keys into L2 meanwhile, so an item does not start on cold misses (measured on an AMD EPYC: decode
-    // at batch 16-64 read the pool ~25% faster; neutral on an Intel Xeon whose L3 held the pool).
+    // keys into L2 meanwhile, so an item does not start on cold misses: faster where the pool streams
+    // from memory, neutral where the L3 holds it (docs/kernels.md).
     for (int64_t i = next.fetch_add(1), j = i < n ? next.fetch_add(1) : n; i < n;
          i = j, j = i < n ? next.fetch_add(1) : n) {
       const int64_t* it = ip + i * kItemCols;

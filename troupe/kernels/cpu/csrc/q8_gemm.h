@@ -88,7 +88,7 @@ inline void gemm_unpack(const uint8_t* w, int64_t rb, int64_t n0, int64_t N, int
 
 // While a group's chunk is unpacked, the same chunk of the next group's first `rows` rows (GL rows further)
 // is prefetched: the unpack reads GL rows side by side, GL interleaved streams that the hardware prefetcher
-// does not follow well, so weights streamed from memory arrived at ~10 GB/s (the LM head at M = 8).
+// does not follow well, so weights streamed from memory arrived far below the memory's rate.
 inline void prefetch_next_group(const uint8_t* blk, int64_t rb, int rows) {
   const uint8_t* next = blk + GL * rb;
   for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * rb), _MM_HINT_T0);

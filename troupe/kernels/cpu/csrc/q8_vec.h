@@ -108,7 +108,7 @@ inline GI g_maddubs(GI u, GI q) { return _mm256_maddubs_epi16(u, q); }
 // Saturating adds of the int16 pair sums: exact, since the GEMM sums only as many steps as cannot overflow
 // (q8_gemm.h's STEP), but unlike plain adds not reassociable, so GCC keeps the sums a chain per row instead
 // of a tree of all the steps' products first, whose extra live registers spilled the float accumulators
-// to the stack (the AVX2 GEMM on Q4_1: 205 -> 283 GOP/s at M = 256, 2 threads; docs/kernels.md).
+// to the stack (docs/kernels.md).
 inline GI g_add16(GI a, GI b) { return _mm256_adds_epi16(a, b); }
 inline GI g_add32(GI a, GI b) { return _mm256_add_epi32(a, b); }
 inline GI g_madd1(GI a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }

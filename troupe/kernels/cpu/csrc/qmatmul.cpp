@@ -181,11 +181,9 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
 constexpr int64_t ROWS_MAX_M = 4;  // rows of x per pass of the rows path over the weights
 // By M, the rows path (in passes of ROWS_MAX_M rows) up to this M, the panel path above: the measured
 // crossover for the default model's projections in model order, 2 threads (docs/kernels.md). In a model
-// step every weight comes from memory, not cache, and there the AVX-512 rows path keeps ~250 GFLOP/s at
-// any M while the panel GEMM, which beats it on cache-resident weights from ~16 rows, falls to 160-230
-// GFLOP/s below ~40 rows (a whole decode step's projections in model order, Zen 5: M = 8 / 16 / 32 / 40 /
-// 48: 0.46 / 0.70 / 0.93 / 1.00 / 1.09 of the panel's time). With AVX2 (Xeon, session 4) two passes of 4
-// rows did not pay (M = 5 / 6 / 8: 1.00 / 1.18 / 0.92 of the panel's time): the panel from 5 rows.
+// step every weight comes from memory, not cache, and there the AVX-512 rows path keeps its rate at any M
+// while the panel GEMM, which beats it on cache-resident weights from ~16 rows, falls well below it at
+// small M. With AVX2 two passes of 4 rows did not pay: the panel from 5 rows.
 #if defined(__AVX512F__)
 constexpr int64_t ROWS_PATH_MAX_M = 12;
 #else

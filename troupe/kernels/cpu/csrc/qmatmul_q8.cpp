@@ -37,12 +37,12 @@ struct ByM {
 };
 // The float rows path up to 4 rows (exact, and it streams the weights faster than either integer kernel
 // there), then the GEMM: AVX-512 builds (their in-register lookup decode), and AVX2 builds on Intel CPUs
-// (two Xeons held to AVX2: the rows kernel took 1.45x / 2.25x the float path's time at M = 1 / 2, the
-// float path at M = 4 0.94x the GEMM's; their vector ALU ports are fewer than Zen's).
+// (held to AVX2, Intel cores ran the rows kernel well behind the float path at 1-2 rows: their vector ALU
+// ports are fewer than Zen's).
 constexpr ByM FLOAT_FIRST{4, 0, 0};
 // AVX2 builds on AMD CPUs (the issue-13 machine, an EPYC with AVX-512 hidden): the float decode costs more
-// than the integer one at every M, so the rows kernel takes 1-2 rows (the default model at M = 1: 0.83 of
-// the float rows path's time, Q4_K 0.60), the GEMM from 3; formats without the GEMM the rows kernel up to 4.
+// than the integer one at every M, so the rows kernel takes 1-2 rows, the GEMM from 3; formats without the
+// GEMM the rows kernel up to 4.
 constexpr ByM INTEGER_FIRST{0, 2, 4};
 
 const ByM& by_m_here() {
@@ -71,10 +71,9 @@ inline int32_t hsum8i(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Chunks of x a thread quantizes at least (~512k values, some 100-150 us on one thread, a few % of the
-// projection that follows): a smaller x is quantized on the calling thread, so that a call opens one
-// parallel region, not two (on a loaded machine each region can wait a whole scheduler slice, ~12 ms
-// measured, for a thread that lost its core).
+// Chunks of x a thread quantizes at least (a few % of the projection that follows): a smaller x is
+// quantized on the calling thread, so that a call opens one parallel region, not two (on a loaded machine
+// each region can wait a whole scheduler slice for a thread that lost its core).
 constexpr int64_t QUANT_GRAIN = 16384;
 
 // x (M, K) -> q (M, K) int8, d (M, K/32): the chunk scales, ds (M, K/16): d * the sums of q per 16 values

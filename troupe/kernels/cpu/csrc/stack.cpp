@@ -4,8 +4,8 @@
 // + RMSNorm, gate/up projection, SiLU x up, down projection), called through torch's dispatcher from here.
 //
 // Why: a decode step of a small model is ~300 op calls; from Python each costs a few microseconds of
-// argument parsing and boxing on top of the kernel, a fifth of a single-stream step of the default model
-// (docs/benchmarks.md, session 12). From C++ the same calls go straight to the unboxed kernels. The kernels, their
+// argument parsing and boxing on top of the kernel, a large share of a single-stream step of a small model
+// (docs/kernels.md). From C++ the same calls go straight to the unboxed kernels. The kernels, their
 // order and their arguments are the Python path's, so the results are the same bit for bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>

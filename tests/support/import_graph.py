@@ -28,8 +28,9 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that module `name` (at `path`) imports, itself excluded."""
+def imported_names(name: str, path: Path) -> set[str]:
+    """Every dotted name module `name` (at `path`) imports, relative imports resolved: `from a import b`
+    gives `a` and `a.b` (b may be a module or a name in a)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -52,8 +53,13 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             visit(child)
 
     visit(tree)
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that module `name` (at `path`) imports, itself excluded."""
     resolved = set()
-    for mod in found:
+    for mod in imported_names(name, path):
         while mod and mod not in known:
             mod = mod.rpartition(".")[0]
         if mod and mod != name:

@@ -1,4 +1,4 @@
-"""Tiny random-weight model folders for tests (everyone's): `make_tiny_model`.
+"""Tiny random-weight model folders for tests and `troupe.bench.offline --random-model`: `make_tiny_model`.
 
 The folder is a real HF folder (config.json, model.safetensors with HF weight names, generation_config.json)
 with the default model's tokenizer files copied in (vocab 49152, chat template, real text), so anything

@@ -1,10 +1,12 @@
-"""TEST-ONLY fault injection: `EngineConfig(fault_injection="...")`.
+"""TEST-ONLY fault injection: a plugin at troupe's hook points (troupe.hooks).
 
-A plain string, so it crosses the process boundary inside the config (a closure could not be
-pickled) and works the same in-process and in an engine process. Never set it in real use: it
-makes the engine fail on purpose. `None` (the default) injects nothing.
+`EngineConfig(hooks=fault_hooks("raise_after_steps=2"))`, i.e. `hooks="support.faults:<items>"`. The
+config names this module, so every process that builds an engine or a frontend (an engine process, a
+Ray worker) imports it by name and installs the same faults: the module must be importable there
+(`tests/` is on the path: pytest's `pythonpath`, which spawned engine processes inherit; Ray workers
+by the `PYTHONPATH` tests/conftest.py exports). Never in real use: it makes the engine fail on purpose.
 
-Grammar: comma-separated `name=value` items.
+Grammar of the items: comma-separated `name=value`.
 
 - `raise_after_steps=N`: every model call after the N-th raises `RuntimeError("injected model
   failure")` (an exception in the engine loop: reported as EngineDead).
@@ -40,6 +42,8 @@ import os
 import threading
 from typing import Any
 
+from troupe.hooks import Hooks
+
 _NAMES = {"raise_after_steps", "crash_after_steps", "block_after_steps", "block_startup", "fail_startup",
           "fail_actor_init", "release", "engine", "fail_sampling", "fail_detokenize", "fail_after_tokens",
           "step_delay_ms"}
@@ -53,10 +57,10 @@ def parse(spec: str | None) -> dict[str, str]:
     for part in spec.split(","):
         name, sep, value = part.partition("=")
         if not sep or name.strip() not in _NAMES:
-            raise ValueError(f"fault_injection: bad item {part!r}; known: {sorted(_NAMES)}")
+            raise ValueError(f"hooks: bad fault item {part!r}; known: {sorted(_NAMES)}")
         items[name.strip()] = value.strip()
     if ("block_after_steps" in items or "block_startup" in items) and "release" not in items:
-        raise ValueError("fault_injection: block_* needs release=PATH")
+        raise ValueError("hooks: block_* needs release=PATH")
     return items
 
 
@@ -67,25 +71,45 @@ def wait_for_release(path: str) -> None:
         pause.wait(POLL_S)
 
 
-def before_build(spec: str | None) -> None:
-    """Start-up faults; called where the engine is built (worker thread or engine process)."""
-    faults = parse(spec)
-    if "block_startup" in faults:
-        wait_for_release(faults["release"])
-    if "fail_startup" in faults:
-        raise RuntimeError(faults["fail_startup"])
+def fault_hooks(items: str | None) -> str | None:
+    """The `EngineConfig.hooks` value that installs these fault `items` (the grammar above); None (no
+    faults) for None."""
+    return None if items is None else f"{__name__}:{items}"
 
 
-def before_actor(spec: str | None, engine_index: int) -> None:
-    """A Ray engine actor's constructor fault (`fail_actor_init`)."""
-    faults = parse(spec)
-    if "fail_actor_init" in faults and int(faults.get("engine", engine_index)) == engine_index:
-        raise RuntimeError(faults["fail_actor_init"])
+def hooks(items: str) -> Faults:
+    """The plugin's entry point (troupe.hooks.load): the faults `items` names, checked now."""
+    return Faults(parse(items))
 
 
-def install(core: Any, spec: str | None) -> None:
+class Faults(Hooks):
+    """The faults of one config at troupe's hook points."""
+
+    def __init__(self, faults: dict[str, str]) -> None:
+        self.faults = faults
+
+    def before_actor(self, engine_index: int) -> None:
+        """A Ray engine actor's constructor fault (`fail_actor_init`)."""
+        faults = self.faults
+        if "fail_actor_init" in faults and int(faults.get("engine", engine_index)) == engine_index:
+            raise RuntimeError(faults["fail_actor_init"])
+
+    def before_build(self) -> None:
+        """Start-up faults, where the engine is built (worker thread or engine process)."""
+        if "block_startup" in self.faults:
+            wait_for_release(self.faults["release"])
+        if "fail_startup" in self.faults:
+            raise RuntimeError(self.faults["fail_startup"])
+
+    def after_build(self, core: Any) -> None:
+        install(core, self.faults)
+
+    def frontend_built(self, processor: Any) -> None:
+        install_frontend(processor, self.faults)
+
+
+def install(core: Any, faults: dict[str, str]) -> None:
     """Engine faults: wrap `core.runner.execute` (the model call of one step) and `core.sampler.sample`."""
-    faults = parse(spec)
     if "engine" in faults and int(faults["engine"]) != getattr(core, "engine_index", 0):
         return
     if "fail_sampling" in faults:
@@ -129,9 +153,8 @@ def _fail_sampling(sampler: Any, prefix: str, after: int) -> None:
     sampler.sample = sample
 
 
-def install_frontend(processor: Any, spec: str | None) -> None:
+def install_frontend(processor: Any, faults: dict[str, str]) -> None:
     """Frontend faults: requests matching `fail_detokenize` get a detokenizer that raises."""
-    faults = parse(spec)
     prefix = faults.get("fail_detokenize")
     if prefix is None:
         return

@@ -1,0 +1,1 @@
+"""Test helpers shared by the tests (imported as `support.*`: `tests/` is on pytest's path)."""
