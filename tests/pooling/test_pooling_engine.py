@@ -35,7 +35,7 @@ TINY = dict(dtype="float32", kv_cache_dtype="float32", num_kv_blocks=64, block_s
 @pytest.fixture(scope="module")
 def tiny_matryoshka(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama, declaring Matryoshka sizes (so `dimensions` is accepted)."""
-    from troupe.testing.models import make_tiny_model
+    from troupe.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-pool"), arch="llama", matryoshka_dimensions=[16, 32, 64])
 

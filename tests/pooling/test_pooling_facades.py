@@ -24,7 +24,7 @@ TEXTS = ["The cat sat on the mat.", "Embeddings map text to vectors that a searc
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from troupe.testing.models import make_tiny_model
+    from troupe.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-embed"), arch="llama", matryoshka_dimensions=[16, 32, 64])
 
