@@ -7,7 +7,7 @@ mode the default should be.
 2. Reference: transformers in float32 on the model's Hugging Face folder (for the default model, its
    GGUF expanded to float32: the same weights every engine runs): the perplexity of the windows, and the
    greedy continuation (`--max-tokens`, ignore_eos) of `--num-prompts` prompts of 16..256 tokens cut from
-   the same text at their own offsets, one prompt at a time.
+   the same text at their own offsets, in left-padded batches of 16 (the padding masked).
 3. Every troupe mode (`modes()`: each `quantization` of `troupe.config.QUANTIZATIONS` but `auto`, so a
    new mode is measured once EngineConfig offers it), as it ships (`--kv-cache-dtype auto`: the cpu
    kernels keep a float16 KV cache): an `LLM` per mode, the windows' prompt logprobs
@@ -42,6 +42,7 @@ from pathlib import Path
 TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL-2", "/usr/share/common-licenses/Apache-2.0",
          "/usr/share/licenses/common/GPL3/license.txt")
 TOLERANCE = 0.005  # the rule: perplexity within 0.5% of the float32 reference's
+REFERENCE_BATCH = 16  # transformers' greedy prompts a generate call (left-padded, masked)
 
 
 def text_path(given: str | None = None) -> Path:
@@ -134,13 +135,17 @@ def reference_row(folder: str, windows: list[list[int]], prompts: list[list[int]
             lps += logits.log_softmax(-1).gather(1, torch.tensor(w[1:])[:, None])[:, 0].tolist()
         tokens = []
         t = time.perf_counter()
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-            tokens.append(out[0, len(p):].tolist())
+        for start in range(0, len(prompts), REFERENCE_BATCH):
+            chunk = prompts[start:start + REFERENCE_BATCH]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # (B, width) left-padded
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=0)
+            tokens += out[:, width:].tolist()
         seconds = time.perf_counter() - t
     row = Row("transformers float32 (reference)", perplexity(lps), len(prompts), float(n),
-              len(prompts) * n / seconds, "one prompt at a time")
+              len(prompts) * n / seconds, f"left-padded batches of {REFERENCE_BATCH}")
     return row, tokens
 
 
