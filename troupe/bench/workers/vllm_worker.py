@@ -31,7 +31,9 @@ class VllmEngine:
 
         import vllm
 
+        config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         return {"engine": "vllm", "version": vllm.__version__,
+                "dtype": str(getattr(config, "dtype", "unknown")),  # what `auto` resolved to
                 "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}}
 
     def close(self) -> None:
