@@ -134,7 +134,8 @@ def test_stand_in_binaries_are_driven_with_the_workload_shape(tmp_path: Path, mo
     (row,) = llamacpp.parse_batched_bench(one_row)
     assert report.median("llama.cpp batched-bench", "offline_tok_s") == row.output_tok_s == 16 / row.t
     assert report.info["llama.cpp batched-bench"]["decode_tok_s"] == row.s_tg
-    assert (report.median("llama.cpp batched-bench", "rss_offline_gib") or 0) > 0
+    # (no RSS figure is asserted here: the stand-in exits within milliseconds, before the sampler's first
+    # look; the sampling of a live peer process tree is checked in test_bench_peers and test_bench_harness)
     assert report.best("llama.cpp", "offline_tok_s") == ("llama.cpp batched-bench", row.output_tok_s)
     (served,) = [json.loads(line) for line in log.read_text().splitlines()]
     sv = served["argv"]
