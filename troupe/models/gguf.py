@@ -185,7 +185,7 @@ class GGUFWeights:
             else:
                 self._sources[hf_name(n, gguf_arch)] = _Source(n)
         self._fused: tuple[str, Weight] | None = None  # the last fused tensor read, for its next parts
-        self._experts: tuple[str, torch.Tensor] | None = None  # the last expert tensor mapped (E, rows, row_bytes)
+        self._experts: dict[str, torch.Tensor] = {}  # expert tensors mapped so far, (E, rows, row_bytes) each
         self._warned: set[int] = set()
 
     def get(self, name: str, shape: tuple[int, ...]) -> Weight:
@@ -240,9 +240,9 @@ class GGUFWeights:
                                  f"metadata implies {[self.arch.num_experts, *shape]}")
         rows, cols = shape
         if info.ggml_type in KEPT_TYPES and info.ggml_type != QType.F32 and not self.dequantize:
-            if self._experts is None or self._experts[0] != src.gname:  # one mapping for all its experts
-                self._experts = (src.gname, self.file.mapped(src.gname).view(self.arch.num_experts, rows, -1))
-            data = self._experts[1][src.expert]  # (rows, row_bytes): the file's pages, contiguous per expert
+            if src.gname not in self._experts:  # one mapping for all its experts
+                self._experts[src.gname] = self.file.mapped(src.gname, (self.arch.num_experts, rows, -1))
+            data = self._experts[src.gname][src.expert]  # (rows, row_bytes): the file's pages, contiguous per expert
             return QuantizedTensor(QType(info.ggml_type), data, (rows, cols))
         if self._fused is None or self._fused[0] != src.gname:  # expanded once for all its experts
             self._fused = (src.gname, _dense(self.file, src.gname, self._warned))
@@ -257,7 +257,7 @@ class GGUFWeights:
         if info.ggml_type not in KEPT_TYPES:
             return _dense(self.file, gname, self._warned)
         qtype = QType(info.ggml_type)
-        data = self.file.mapped(gname).view(info.shape[0], -1)  # (N, row_bytes): the file's pages, not a copy
+        data = self.file.mapped(gname, (info.shape[0], -1))  # (N, row_bytes): the file's pages, not a copy
         return QuantizedTensor(qtype, data, (info.shape[0], info.shape[1]))
 
 

@@ -78,21 +78,24 @@ class GGUFFile:
         t = self.tensors[name]
         return np.frombuffer(self._map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
-    def mapped(self, name: str) -> torch.Tensor:
-        """The bytes of tensor `name` as a (nbytes,) uint8 tensor over a read-only mapping of their own pages
-        (see the module docstring): nothing is read or copied; unmapped when the last view goes."""
+    def mapped(self, name: str, shape: tuple[int, ...] = (-1,)) -> torch.Tensor:
+        """The bytes of tensor `name` as a uint8 tensor of `shape` (e.g. (rows, row_bytes)) over a read-only
+        mapping of their own pages (see the module docstring): nothing is read or copied; unmapped when the
+        last tensor on it goes. Shaped before it becomes a tensor: a torch view of a flat one would keep
+        the mapping alive through its base after a kernel set moves the view's storage elsewhere
+        (troupe.kernels.cpu.arena)."""
         import torch  # here: the tokenizer's readers of this module need no torch
 
         t = self.tensors[name]
         if t.nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=torch.uint8).reshape(shape)
         start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
         try:
             with open(self.path, "rb") as f:
                 pages = mmap.mmap(f.fileno(), t.offset + t.nbytes - start, access=mmap.ACCESS_READ, offset=start)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{self.path}: cannot map tensor {name!r} ({e})") from e
-        array = np.frombuffer(pages, dtype=np.uint8, count=t.nbytes, offset=t.offset - start)  # holds `pages`
+        array = np.frombuffer(pages, dtype=np.uint8, count=t.nbytes, offset=t.offset - start).reshape(shape)
         with warnings.catch_warnings():  # torch warns that it has no read-only tensors: this one is never written
             warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
             return torch.from_numpy(array)
