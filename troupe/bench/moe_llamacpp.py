@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
                    help="an EngineConfig field for troupe serve (e.g. quantization=gguf-q8); repeatable")
     p.add_argument("--llama-bin", default=None, help="the folder of llama-server (else $LLAMA_BIN, else the "
                    "setup_peers.sh build)")
+    p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="an extra llama-server argument, repeatable (e.g. --llama-arg=--no-repack: the repacked "
+                        "and AMX weight layouts off, where a native build crashes with them)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         def llama_cmd(port: int) -> list[str]:
             return [str(exe), "-m", str(path), "-t", t, "-tb", t, "-np", str(args.batch),
                     "-c", str(args.batch * SLOT_CONTEXT), "--host", "127.0.0.1", "--port", str(port),
-                    "--alias", SERVED_NAME]
+                    "--alias", SERVED_NAME, *args.llama_arg]
 
         engines.append(("llama.cpp", llama_cmd, {"cache_prompt": False}, peer_env()))
     print(f"troupe.bench.moe_llamacpp: {path.name} ({path.stat().st_size / GIB:.2f} GiB); "
@@ -250,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MoE GGUF: qwen3moe, {s.layers} layers, hidden {s.hidden}, {s.experts} experts top-{s.top_k}, expert FF "
           f"{s.expert_ff}, {s.qtype.name}, {path.stat().st_size / GIB:.2f} GiB ({s.expert_bytes() / GIB:.2f} GiB "
           f"of experts); CPU {_cpu_name()}, {args.threads} threads; prompts of {args.prompt_len} tokens, "
-          f"{args.gen_tokens} new, batch {args.batch}; medians of {args.rounds} round(s); load average "
+          f"{args.gen_tokens} new, batch {args.batch}; llama-server arguments {args.llama_arg or 'none'} extra; "
+          f"medians of {args.rounds} round(s); load average "
           f"{load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}\n")
     print(report.table())
     if args.json:
