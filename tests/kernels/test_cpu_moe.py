@@ -155,7 +155,7 @@ def test_bad_input_is_refused(sets: dict[bool, object]) -> None:
     with pytest.raises(RuntimeError, match="expert id 4 out of range"):
         op(x, torch.tensor([[4, 0]]), w)
     assert isinstance(gate_up[0], QuantizedTensor)
-    bad = FusedMoe([gate_up[0].data[:, :-1].contiguous()] * E, [d.data for d in down], int(QType.Q8_0),  # type: ignore[union-attr]
-                   int(QType.Q8_0), False)
-    with pytest.raises(RuntimeError, match="every gate_up must be"):
+    half = gate_up[0].data[:F, :-1].contiguous()  # type: ignore[union-attr]
+    bad = FusedMoe([half] * E, [half] * E, [d.data for d in down], int(QType.Q8_0), int(QType.Q8_0), False)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="every gate must be"):
         bad(x, ids, w)

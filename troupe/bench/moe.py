@@ -58,16 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.layers):
         gate_up = [random_quantized(qtype, 2 * f, h, g) for _ in range(E)]
         down = [random_quantized(qtype, h, f, g) for _ in range(E)]
-        op = kset.moe(gate_up, down)  # moves the blocks into the set's arena; the others use them there
+        op = kset.moe(gate_up, down)  # on the blocks where they are (not the arena), as the others
         assert isinstance(op, FusedMoe), "the fused op does not apply to these experts"
         fused: FusedMoe = op
-        per_expert = FusedMoe(fused.gate_up, fused.down, fused.qtype_gate_up, fused.qtype_down, fused.q8)
+        per_expert = FusedMoe(fused.gate, fused.up, fused.down, fused.qtype_gate_up, fused.qtype_down, fused.q8)
         per_expert.fused_max_m = 0
         candidates["fused"].append(fused)
         candidates["per-expert"].append(per_expert)
         candidates["grouped"].append(grouped_experts([kset.linear(w) for w in gate_up], [kset.linear(w) for w in down],
                                                      kset.silu_and_mul))
-    weight_mb = sum(int(t.numel()) for t in [*fused.gate_up, *fused.down]) / 2**20
+    weight_mb = sum(int(t.numel()) for t in [*fused.gate, *fused.up, *fused.down]) / 2**20
     print(f"CPU: {_cpu_name()}, {torch.get_num_threads()} threads; {E} experts, top-{args.top_k}, hidden {h}, "
           f"intermediate {f}, {qtype.name} ({weight_mb:.0f} MiB of blocks per layer), {args.layers} layers, "
           f"{'8-bit' if args.q8 else 'float32'} activations")

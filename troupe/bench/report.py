@@ -31,6 +31,7 @@ METRICS = [
     Metric("offline_tok_s", "offline: output tok/s", "tok/s", True),
     Metric("single_ttft_ms", "single stream: TTFT", "ms", False),
     Metric("single_itl_ms", "single stream: ITL", "ms", False, 2),
+    Metric("batch_decode_tok_s", "batched decode: output tok/s (troupe.bench.moe_llamacpp)", "tok/s", True),
     Metric("serve_tok_s", "HTTP streams: output tok/s", "tok/s", True),
     Metric("serve_ttft_ms", "HTTP streams: TTFT median", "ms", False, 0),
     Metric("serve_itl_ms", "HTTP streams: ITL median", "ms", False),

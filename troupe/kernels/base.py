@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from troupe.errors import InvalidInputError
-from troupe.kernels.moe import MoeOp, grouped_experts
+from troupe.kernels.moe import ExpertGateUp, MoeOp, grouped_experts, linear_rows
 from troupe.kernels.quant import Weight, dense
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # (M, K) -> (M, N)
@@ -184,11 +184,12 @@ class KernelSet(abc.ABC):
     def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> LinearOp:
         """The projection `x (M, K) -> x @ weight.T + bias (M, N)`; may take `weight`'s storage over."""
 
-    def moe(self, gate_up: Sequence[Weight], down: Sequence[Weight]) -> MoeOp:
+    def moe(self, gate_up: Sequence[ExpertGateUp], down: Sequence[Weight]) -> MoeOp:
         """A layer's routed experts as one op `(x (T, h), ids (T, k), weights (T, k) float32) -> (T, h)`
-        (`troupe.kernels.moe`): each expert's `gate_up` (2f, h) and `down` (h, f) bound by `linear`, run on
-        the tokens routed to it. A set may replace it with a fused kernel of the same results."""
-        ups = [self.linear(w) for w in gate_up]
+        (`troupe.kernels.moe`): each expert's `gate_up` (2f, h) (or its parts [gate, up]) and `down` (h, f)
+        bound by `linear`, run on the tokens routed to it. A set may replace it with a fused kernel of the
+        same results."""
+        ups = [linear_rows(self.linear, w) for w in gate_up]
         downs = [self.linear(w) for w in down]
         return grouped_experts(ups, downs, self.silu_and_mul)
 

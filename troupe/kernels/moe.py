@@ -11,6 +11,11 @@ only (as a batch), its rows are scaled by their routing weights and added into t
 expert order (transformers' order). Experts without a token cost nothing; one expert with every token runs
 one batch of T rows.
 
+An expert's gate|up comes as one (2f, h) weight or as its two row parts `[gate (f, h), up (f, h)]`
+(`ExpertGateUp`): a GGUF's experts come as parts, views of the file's blocks that a stack would copy
+(`troupe.models.layer_loading`). `linear_rows` binds either through a set's `linear` (the parts' outputs
+concatenated), `gate_up_parts` splits a whole one into row views (no copy).
+
 `reference_moe` is the plain per-token torch definition the grouped op and every kernel set are tested
 against.
 """
@@ -22,8 +27,35 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from troupe.kernels.quant import QuantizedTensor, Weight
+
 LinearOp = Callable[[torch.Tensor], torch.Tensor]
 MoeOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ExpertGateUp = Weight | list[Weight]  # (2f, h), or [gate (f, h), up (f, h)]
+
+
+def linear_rows(linear: Callable[[Weight], LinearOp], weight: ExpertGateUp) -> LinearOp:
+    """`linear(weight)`; for row parts, one projection per part and their outputs concatenated (M, 2f)."""
+    if not isinstance(weight, list):
+        return linear(weight)
+    projections = [linear(w) for w in weight]
+    return lambda x: torch.cat([f(x) for f in projections], dim=-1)
+
+
+def gate_up_parts(weight: ExpertGateUp) -> tuple[Weight, Weight] | None:
+    """(gate (f, h), up (f, h)) of an expert's gate|up: its two parts, or a whole one's two row halves as
+    views; None where the parts are not two of one shape."""
+    if isinstance(weight, list):
+        if len(weight) != 2 or tuple(weight[0].shape) != tuple(weight[1].shape):
+            return None
+        return weight[0], weight[1]
+    f, h = weight.shape[0] // 2, weight.shape[1]
+    if weight.shape[0] != 2 * f:
+        return None
+    if isinstance(weight, QuantizedTensor):
+        return (QuantizedTensor(weight.qtype, weight.data[:f], (f, h)),
+                QuantizedTensor(weight.qtype, weight.data[f:], (f, h)))
+    return weight[:f], weight[f:]
 
 
 def grouped_experts(gate_up: Sequence[LinearOp], down: Sequence[LinearOp],

@@ -15,7 +15,12 @@ block formats (`troupe.kernels.quant.QuantizedTensor`) or expanded to float32.
    and returns it: F32 as a float32 tensor, the formats in `QType` as a `QuantizedTensor` of the file's bytes
    (or, with `dequantize=True`, expanded to float32: the reference mode), any other GGML type expanded by
    the gguf package with one warning. A fused `attn_qkv` (Phi-3) is served as q/k/v and a fused `ffn_up`
-   without an `ffn_gate` as gate/up (its first and second half), row slices of the blocks.
+   without an `ffn_gate` as gate/up (its first and second half), row slices of the blocks. A mixture of
+   experts' `ffn_*_exps` tensor (E, rows, cols) is served per expert (`model.layers.N.mlp.experts.e.*`).
+   Kept blocks are not read at load: they are views of the file's pages (`GGUFFile.mapped`, read-only),
+   each expert's rows contiguous in the file; a kernel set that wants them elsewhere (the cpu set's arena,
+   a GPU) copies them when the model binds, and the experts stay mapped on the cpu set (docs/models.md,
+   "Memory").
 4. llama.cpp's converter permutes the rows of Llama's (and Granite's) q and k projections (pairs interleaved per head, for
    its rotary); `get` undoes it, for a quantized weight by moving whole block rows (nothing is expanded).
    The other architectures are not permuted (llama.cpp rotates them in the HF layout). A partial rotary
@@ -180,6 +185,7 @@ class GGUFWeights:
             else:
                 self._sources[hf_name(n, gguf_arch)] = _Source(n)
         self._fused: tuple[str, Weight] | None = None  # the last fused tensor read, for its next parts
+        self._experts: dict[str, torch.Tensor] = {}  # expert tensors mapped so far, (E, rows, row_bytes) each
         self._warned: set[int] = set()
 
     def get(self, name: str, shape: tuple[int, ...]) -> Weight:
@@ -226,15 +232,17 @@ class GGUFWeights:
         return fused[start:stop].contiguous()
 
     def _expert(self, src: _Source, shape: tuple[int, ...]) -> Weight:
-        """Expert `src.expert`'s (rows, cols) of a (E, rows, cols) tensor, its own copy (blocks kept)."""
+        """Expert `src.expert`'s (rows, cols) of a (E, rows, cols) tensor: its blocks mapped from the file (a
+        view, nothing copied); F32 and the formats troupe does not keep expanded once for all the experts."""
         info = self.file.tensors[src.gname]
         if info.shape != (self.arch.num_experts, *shape):
             raise ModelLoadError(f"{self.file.path}: tensor {src.gname!r} has shape {list(info.shape)}, the model's "
                                  f"metadata implies {[self.arch.num_experts, *shape]}")
         rows, cols = shape
         if info.ggml_type in KEPT_TYPES and info.ggml_type != QType.F32 and not self.dequantize:
-            raw = self.file.raw(src.gname).reshape(self.arch.num_experts, rows, -1)
-            data = torch.from_numpy(raw[src.expert].copy())  # (rows, row_bytes): not a view of the whole
+            if src.gname not in self._experts:  # one mapping for all its experts
+                self._experts[src.gname] = self.file.mapped(src.gname, (self.arch.num_experts, rows, -1))
+            data = self._experts[src.gname][src.expert]  # (rows, row_bytes): the file's pages, contiguous per expert
             return QuantizedTensor(QType(info.ggml_type), data, (rows, cols))
         if self._fused is None or self._fused[0] != src.gname:  # expanded once for all its experts
             self._fused = (src.gname, _dense(self.file, src.gname, self._warned))
@@ -249,9 +257,7 @@ class GGUFWeights:
         if info.ggml_type not in KEPT_TYPES:
             return _dense(self.file, gname, self._warned)
         qtype = QType(info.ggml_type)
-        # (N, row_bytes); shaped before it becomes a tensor: a view would keep this buffer alive through its
-        # base after a kernel set moves the view's storage elsewhere (troupe.kernels.cpu.arena)
-        data = torch.from_numpy(self.file.raw(gname).copy().reshape(info.shape[0], -1))
+        data = self.file.mapped(gname, (info.shape[0], -1))  # (N, row_bytes): the file's pages, not a copy
         return QuantizedTensor(qtype, data, (info.shape[0], info.shape[1]))
 
 

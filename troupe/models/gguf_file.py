@@ -9,19 +9,30 @@ data section, which begins at the next multiple of `general.alignment` (default 
 Why not `gguf.GGUFReader`: it builds a numpy view per field, seconds on the default model's 49k-token
 vocabulary; this reader decodes the same dozens of times faster (numeric arrays with one `frombuffer`).
 Everything wrong with the file is a `ModelLoadError` naming it.
+
+Two ways to a tensor's bytes: `raw(name)`, a numpy view over the file's one mapping, for what is read once
+and expanded or copied at load (that mapping is closed with the file); `mapped(name)`, a read-only uint8
+tensor over a mapping of that tensor's pages alone, which stays mapped exactly as long as the tensor (or a
+view of it) lives, whatever happens to the file object: what the model computes on in place (the GGUF's
+blocks, nothing copied; the pages are the page cache's, shared, and only those touched are resident).
+Such a mapping is `PROT_READ`: a write into it is a crash, never a change to the file.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from troupe.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -66,6 +77,28 @@ class GGUFFile:
         """The bytes of tensor `name` as a read-only uint8 array over the mapping."""
         t = self.tensors[name]
         return np.frombuffer(self._map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+    def mapped(self, name: str, shape: tuple[int, ...] = (-1,)) -> torch.Tensor:
+        """The bytes of tensor `name` as a uint8 tensor of `shape` (e.g. (rows, row_bytes)) over a read-only
+        mapping of their own pages (see the module docstring): nothing is read or copied; unmapped when the
+        last tensor on it goes. Shaped before it becomes a tensor: a torch view of a flat one would keep
+        the mapping alive through its base after a kernel set moves the view's storage elsewhere
+        (troupe.kernels.cpu.arena)."""
+        import torch  # here: the tokenizer's readers of this module need no torch
+
+        t = self.tensors[name]
+        if t.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8).reshape(shape)
+        start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+        try:
+            with open(self.path, "rb") as f:
+                pages = mmap.mmap(f.fileno(), t.offset + t.nbytes - start, access=mmap.ACCESS_READ, offset=start)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: cannot map tensor {name!r} ({e})") from e
+        array = np.frombuffer(pages, dtype=np.uint8, count=t.nbytes, offset=t.offset - start).reshape(shape)
+        with warnings.catch_warnings():  # torch warns that it has no read-only tensors: this one is never written
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            return torch.from_numpy(array)
 
     # ------------------------------------------------------------------ parsing
 

@@ -4,7 +4,8 @@ Per family (`ModelArch`): the norms of its layout, with Gemma's (1 + w) folded i
 gate/up either separate (most families) or fused in the checkpoint (Phi-3); a partial rotary embedding's
 per-head row order of q and k (`troupe.models.rope`); a mixture of experts' router, experts and shared
 expert under the family's names. Dense parts of one fused projection are concatenated into its float
-parameter; quantized parts (GGUF blocks) replace it, grouped into runs of one format (`group_rows`).
+parameter; quantized parts (GGUF blocks) replace it, grouped into runs of one format (`group_rows`), but
+for an expert's gate and up, which stay two weights (`[gate, up]`: the file's blocks, mapped, not copied).
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ if TYPE_CHECKING:
 WeightGetter = Callable[[str, tuple[int, ...]], Weight]  # (HF name, expected shape) -> tensor or quantized
 
 
-def set_weight(module: nn.Module, name: str, parts: list[Weight]) -> None:
+def set_weight(module: nn.Module, name: str, parts: list[Weight], stack: bool = True) -> None:
     """Fill the weight `name` of `module` from its row parts (q, k, v / gate, up / one): dense parts are
     concatenated into the float parameter; with a quantized part, the parameter is replaced by the parts
-    grouped into runs of one format (`group_rows`): one weight, or a list of them."""
+    grouped into runs of one format (`group_rows`): one weight, or a list of them. `stack=False` keeps
+    quantized parts apart, as they come (an expert's gate and up: views of the file that a stack would copy;
+    the kernel sets take the list, `troupe.kernels.moe`)."""
     if all(isinstance(w, torch.Tensor) for w in parts):
         getattr(module, name).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])  # type: ignore[arg-type]
         return
     dtype = getattr(module, name).dtype
-    groups = group_rows(parts, dtype)
+    groups = group_rows(parts, dtype) if stack else [w if isinstance(w, QuantizedTensor) else dense(w, dtype)
+                                                      for w in parts]
     delattr(module, name)  # the float parameter goes; nn.Module then keeps the weight as a plain attribute
     setattr(module, name, groups[0] if len(groups) == 1 else groups)
 
@@ -121,7 +125,7 @@ def _load_experts(layer: DecoderLayer, p: str, a: ModelArch, get: WeightGetter) 
         ex = f"{block}experts.{e}."
         gate, up, down = (get(f"{ex}{n}.weight", shape) for n, shape in zip(names, ((fe, h), (fe, h), (h, fe)),
                                                                                 strict=True))
-        set_weight(layer.experts_gate_up, str(e), [gate, up])
+        set_weight(layer.experts_gate_up, str(e), [gate, up], stack=False)  # blocks: [gate, up], not copied
         set_weight(layer.experts_down, str(e), [down])
     if layer.shared_gate_w is not None:
         layer.shared_gate_w.copy_(dense(get(p + "mlp.shared_expert_gate.weight", (1, h))))

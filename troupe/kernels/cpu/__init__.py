@@ -41,7 +41,7 @@ from troupe.kernels.cpu.arena import WeightArena
 from troupe.kernels.cpu.attention import CpuMetadata, paged_attention
 from troupe.kernels.cpu.build import BuildError, load_ops
 from troupe.kernels.eager import EagerKernels
-from troupe.kernels.moe import MoeOp
+from troupe.kernels.moe import ExpertGateUp, MoeOp
 from troupe.kernels.quant import Weight
 
 EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ sources
@@ -94,10 +94,11 @@ class CpuKernels(EagerKernels):
     def embedding(self, table: Weight) -> EmbeddingOp:
         return qlinear.embedding(table)
 
-    def moe(self, gate_up: Sequence[Weight], down: Sequence[Weight]) -> MoeOp:
-        """The experts in one compiled call on their blocks (`moe.py`); `grouped_experts` where it does not
-        apply (experts of mixed formats, rows that are not whole blocks)."""
-        op = cmoe.fused_moe(gate_up, down, self.quantize_activations, self.arena)
+    def moe(self, gate_up: Sequence[ExpertGateUp], down: Sequence[Weight]) -> MoeOp:
+        """The experts in one compiled call on their blocks, where they are (`moe.py`: not moved into the
+        arena, so a GGUF's stay mapped); `grouped_experts` where it does not apply (experts of mixed formats,
+        rows that are not whole blocks)."""
+        op = cmoe.fused_moe(gate_up, down, self.quantize_activations)
         return op if op is not None else super().moe(gate_up, down)
 
     # ------------------------------------------------------------------ the KV pool

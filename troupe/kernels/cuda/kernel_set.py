@@ -57,7 +57,10 @@ def interpreter_active() -> bool:
 
 def dense_on(weight: Any, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
     """`weight` as a dense contiguous tensor on `device`: a quantized weight (anything with
-    `dequantize(dtype)`, e.g. `troupe.kernels.quant.QuantizedTensor`) is expanded to `dtype` first."""
+    `dequantize(dtype)`, e.g. `troupe.kernels.quant.QuantizedTensor`) is expanded to `dtype` first; a list
+    of row parts (an expert's [gate, up]) is expanded part by part and stacked."""
+    if isinstance(weight, list):
+        return torch.cat([dense_on(w, device, dtype) for w in weight])
     if not isinstance(weight, torch.Tensor):
         weight = weight.dequantize(dtype or torch.bfloat16)
     return weight.detach().to(device=device).contiguous()

@@ -1,11 +1,13 @@
 // The routed experts of one MoE layer in one call (TORCH_LIBRARY troupe_moe):
 //
-//   moe(x (T, h), ids (T, k), weights (T, k), gate_up[E] (2f, h), down[E] (h, f)) -> (T, h)
+//   moe(x (T, h), ids (T, k), weights (T, k), gate[E] (f, h), up[E] (f, h), down[E] (h, f)) -> (T, h)
 //   out[t] = sum_j weights[t, j] * down[e](silu(gate[e] x[t]) * up[e] x[t]),  e = ids[t, j]
 //
 // Every expert's weights are one format's raw blocks (quant.h; dense weights come as F32 / F16 / BF16
-// "blocks"), gate rows [0, f) and up rows [f, 2f) of one (2f, h) matrix. The (token, slot) pairs are grouped
-// by expert (a counting sort, token order within an expert) and each expert's rows of x gathered once.
+// "blocks"; gate and up in one format), each matrix where it is (a GGUF's: the file's mapped pages, so
+// the weights are only read, never written, and start wherever the file puts them: nothing here assumes
+// an alignment). The (token, slot) pairs are grouped by expert (a counting sort, token order within an
+// expert) and each expert's rows of x gathered once.
 //
 // Experts with at most FUSED_MAX_M tokens (decode: T = 1, k = 2 gives two experts of one token) run fused,
 // on the float rows kernel of the projections (qmatmul_rows.h, in passes of 4 rows):
@@ -82,7 +84,6 @@ using LinearSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&
 struct Ops {
   c10::TypedOperatorHandle<LinearSig> linear;
   c10::TypedOperatorHandle<LinearSig> linear_q8;
-  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul;
   c10::TypedOperatorHandle<int64_t(int64_t, int64_t)> q8_path;
 };
 
@@ -93,7 +94,6 @@ c10::TypedOperatorHandle<Sig> find(const char* name) {
 
 const Ops& ops() {  // looked up on the first call (troupe_qmm and troupe_fused load before this library)
   static const Ops o{find<LinearSig>("troupe_qmm::linear"), find<LinearSig>("troupe_qmm::linear_q8"),
-                     find<Tensor(const Tensor&)>("troupe_fused::silu_and_mul"),
                      find<int64_t(int64_t, int64_t)>("troupe_qmm::q8_path")};
   return o;
 }
@@ -166,18 +166,20 @@ struct Expert {
   int64_t n;      // its tokens
 };
 
-Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const std::vector<Tensor>& gate_up,
-           const std::vector<Tensor>& down, int64_t qtype_gate_up, int64_t qtype_down, bool q8, int64_t fused_max_m,
-           int64_t min_blocks) {
+Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const std::vector<Tensor>& gate,
+           const std::vector<Tensor>& up, const std::vector<Tensor>& down, int64_t qtype_gate_up, int64_t qtype_down,
+           bool q8, int64_t fused_max_m, int64_t min_blocks) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "troupe_moe: x must be (T, h) float32");
   TORCH_CHECK(ids_in.scalar_type() == at::kLong && ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0),
               "troupe_moe: ids must be (T, k) int64");
   TORCH_CHECK(weights_in.scalar_type() == at::kFloat && weights_in.sizes() == ids_in.sizes(),
               "troupe_moe: weights must be (T, k) float32, like ids");
-  const int64_t E = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(E > 0 && static_cast<int64_t>(down.size()) == E, "troupe_moe: gate_up and down must list the same experts");
-  const int64_t T = x_in.size(0), h = x_in.size(1), k = ids_in.size(1), f = gate_up[0].size(0) / 2;
-  check_experts(gate_up, qtype_gate_up, 2 * f, h, "gate_up");
+  const int64_t E = static_cast<int64_t>(gate.size());
+  TORCH_CHECK(E > 0 && static_cast<int64_t>(up.size()) == E && static_cast<int64_t>(down.size()) == E,
+              "troupe_moe: gate, up and down must list the same experts");
+  const int64_t T = x_in.size(0), h = x_in.size(1), k = ids_in.size(1), f = gate[0].size(0);
+  check_experts(gate, qtype_gate_up, f, h, "gate");
+  check_experts(up, qtype_gate_up, f, h, "up");
   check_experts(down, qtype_down, h, f, "down");
   const Tensor x = x_in.contiguous(), ids_t = ids_in.contiguous(), wt = weights_in.contiguous();
   const int64_t* ids = ids_t.data_ptr<int64_t>();
@@ -208,7 +210,7 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
     (fuse ? fused : batched).push_back({e, count[e], n});
   }
 
-  // x's rows in pair order; gate | up, activations and each pair's output row
+  // x's rows in pair order; gate, up, activations and each pair's output row
   Tensor xs = at::empty({P, h}, x.options()), y = at::empty({P, h}, x.options());
   const float* xp = x.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
@@ -220,7 +222,15 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
   for (const Expert& ex : batched) {  // one projection call each, threaded over its rows
     const auto& lin = q8 ? ops().linear_q8 : ops().linear;
     const Tensor xe = xs.narrow(0, ex.start, ex.n);
-    const Tensor act = ops().silu_and_mul.call(lin.call(xe, gate_up[ex.e], qtype_gate_up, std::nullopt, -1));
+    const Tensor g = lin.call(xe, gate[ex.e], qtype_gate_up, std::nullopt, -1).contiguous();  // (n, f)
+    const Tensor u = lin.call(xe, up[ex.e], qtype_gate_up, std::nullopt, -1).contiguous();
+    Tensor act = at::empty({ex.n, f}, x.options());
+    const float* gp = g.data_ptr<float>();
+    const float* upp = u.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    at::parallel_for(0, ex.n, std::max<int64_t>(1, 16384 / f), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) troupe_moe_silu::silu_mul(gp + m * f, upp + m * f, f, ap + m * f);
+    });
     y.narrow(0, ex.start, ex.n).copy_(lin.call(act, down[ex.e], qtype_down, std::nullopt, -1));
   }
 
@@ -228,15 +238,17 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
     const int64_t nf = static_cast<int64_t>(fused.size());
     int64_t rows_fused = 0;
     for (const Expert& ex : fused) rows_fused = std::max(rows_fused, ex.start + ex.n);
-    Tensor gu = at::empty({rows_fused, 2 * f}, x.options()), act = at::empty({rows_fused, f}, x.options());
-    float* gup = gu.data_ptr<float>();
+    Tensor gt = at::empty({rows_fused, f}, x.options()), ut = at::empty({rows_fused, f}, x.options());
+    Tensor act = at::empty({rows_fused, f}, x.options());
+    float* gtp = gt.data_ptr<float>();
+    float* utp = ut.data_ptr<float>();
     float* actp = act.data_ptr<float>();
     const int64_t f_rows = item_rows(f, nf), h_rows = item_rows(h, nf);
     const int64_t f_items = (f + f_rows - 1) / f_rows, h_items = (h + h_rows - 1) / h_rows;  // per expert
     if (min_blocks < 0) min_blocks = rows::MIN_BLOCKS_PER_THREAD;
     // an item's cost: its weight blocks, streamed once per pass and multiplied into each token
     auto cost = [&](const Expert& ex, int64_t blocks) { return blocks * (2 * ((ex.n + PASS_M - 1) / PASS_M) + ex.n) / 3; };
-    const int64_t rb_gu = gate_up[0].size(1), rb_dn = down[0].size(1);
+    const int64_t rb_gu = gate[0].size(1), rb_dn = down[0].size(1);
     dispatch(qtype_gate_up, [&](auto q) {
       constexpr int Q = decltype(q)::value;
       const int64_t item_blocks = 2 * f_rows * (h / Fmt<Q>::QK);
@@ -244,16 +256,12 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
                    [&](int64_t i) {
           const Expert& ex = fused[i / f_items];
           const int64_t n0 = i % f_items * f_rows, n1 = std::min(f, n0 + f_rows);
-          const uint8_t* w = gate_up[ex.e].data_ptr<uint8_t>();
-          float* g = gup + ex.start * 2 * f;
-          if (n1 - n0 == f) {  // the whole expert: gate and up rows in one stream
-            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, 0, 2 * f, g);
-          } else {
-            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, n0, n1, g);          // gate rows
-            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, w, rb_gu, 2 * f, f + n0, f + n1, g);  // up rows
-          }
+          float* g = gtp + ex.start * f;
+          float* u = utp + ex.start * f;
+          chunk_rows<Q>(xsp + ex.start * h, ex.n, h, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);  // gate rows
+          chunk_rows<Q>(xsp + ex.start * h, ex.n, h, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);    // up rows
           for (int64_t m = 0; m < ex.n; ++m)
-            troupe_moe_silu::silu_mul(g + m * 2 * f + n0, g + m * 2 * f + f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
+            troupe_moe_silu::silu_mul(g + m * f + n0, u + m * f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
       });
     });
     dispatch(qtype_down, [&](auto q) {
@@ -294,7 +302,7 @@ TORCH_LIBRARY(troupe_moe, m) {
   // fused_max_m: experts with up to this many tokens run fused (-1: FUSED_MAX_M; 0: none, for tests and the
   // benchmark); min_blocks: weight blocks a thread gets at least before another is woken (-1: the rows
   // path's own minimum; tests: 1, to split tiny shapes)
-  m.def("moe(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int qtype_gate_up, "
+  m.def("moe(Tensor x, Tensor ids, Tensor weights, Tensor[] gate, Tensor[] up, Tensor[] down, int qtype_gate_up, "
         "int qtype_down, bool q8, int fused_max_m, int min_blocks) -> Tensor",
         &troupe_moe::moe);
 }
