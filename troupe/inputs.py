@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from troupe.errors import InvalidInputError
 from troupe.limits import InputLimits, check_params, check_structured
@@ -263,3 +263,20 @@ def check_runner(pooler: PoolerConfig | None, pooling_params: PoolingParams | No
                                 "runner='pooling' (--runner pooling); this one generates")
     pooler.check(pooling_params)
 
+
+
+P = TypeVar("P")
+
+
+def per_prompt(params: P | Sequence[P] | None, n: int, kind: type[P], field: str,
+               default: Callable[[], P]) -> list[P]:
+    """One parameter object per prompt from what a batch call was given: none (`default()` each), one
+    `kind` for every prompt, or exactly `n` (else an error naming `field`)."""
+    if params is None:
+        return [default() for _ in range(n)]
+    if isinstance(params, kind):
+        return [params] * n
+    listed = list(params)  # type: ignore[arg-type]
+    if len(listed) != n:
+        raise InvalidInputError(field, f"got {len(listed)} for {n} prompts; pass one, or one per prompt")
+    return listed

@@ -38,7 +38,7 @@ from troupe.engine_args import EngineArgs
 from troupe.errors import InvalidInputError, single_error
 from troupe.facades.async_llm import AsyncLLM
 from troupe.facades.pooling import PoolingMethods
-from troupe.inputs import ChatMessages, PromptType
+from troupe.inputs import ChatMessages, PromptType, per_prompt
 from troupe.outputs import RequestOutput
 from troupe.sampling_params import RequestOutputKind, SamplingParams
 
@@ -160,7 +160,7 @@ class LLM(PoolingMethods):
                          use_tqdm: bool, priority: int | Sequence[int] | None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams(**self._engine.generation_defaults)
-        params_list = _per_prompt(sampling_params, len(jobs))
+        params_list = per_prompt(sampling_params, len(jobs), SamplingParams, "sampling_params", SamplingParams)
         priorities: list[Any]
         if priority is None or isinstance(priority, int | str):  # a str is checked (refused) as one value
             priorities = [0 if priority is None else priority] * len(jobs)
@@ -209,16 +209,6 @@ class LLM(PoolingMethods):
                 if bar is not None:
                     bar.update(out)
 
-
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
-    return params
 
 
 class _ProgressBar:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from troupe.errors import InvalidInputError, single_error
-from troupe.inputs import PromptType
+from troupe.inputs import PromptType, per_prompt
 from troupe.pooling import (
     EmbeddingRequestOutput,
     PoolingParams,
@@ -55,7 +55,7 @@ class PoolingMethods:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
-        params = _per_prompt(pooling_params, len(prompts))
+        params = per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params", PoolingParams)
         if truncate_prompt_tokens is not None:
             params = [PoolingParams(dimensions=p.dimensions, normalize=p.normalize,
                                     truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
@@ -113,16 +113,6 @@ class PoolingMethods:
         assert all(r is not None for r in results), "a pooling request ended without its vector"
         return results  # type: ignore[return-value]
 
-
-def _per_prompt(params: PoolingParams | Sequence[PoolingParams] | None, n: int) -> list[PoolingParams]:
-    if params is None:
-        return [PoolingParams() for _ in range(n)]
-    if isinstance(params, PoolingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise InvalidInputError("pooling_params", f"got {len(params)} for {n} prompts; pass one, or one per prompt")
-    return params
 
 
 class _TokenBar:
