@@ -50,7 +50,8 @@ from troupe.core.logprobs import add_prompt_logprobs, to_lists
 from troupe.core.model_runner import ModelRunner
 from troupe.core.pooler import Pooler
 from troupe.core.request import Request
-from troupe.core.sampler import LogprobsRow, SamplingRow, make_sampler
+from troupe.core.sampler import LogprobsRow, make_sampler
+from troupe.core.sampling_metadata import SamplingRow
 from troupe.core.scheduler import ScheduledRequest, Scheduler
 from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_kind
 from troupe.inputs import ModelLimits, check_runner, validate_prompt_ids, validate_sampling
