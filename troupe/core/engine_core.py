@@ -87,7 +87,6 @@ class EngineCore:
                                                   compile_timeout_s=config.grammar_compile_timeout_s)
         self._waiting_for_grammar: dict[str, Request] = {}
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
-        self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
         self._added_at: dict[str, float] = {}  # trace only: when a request joined, until first scheduled
@@ -134,7 +133,6 @@ class EngineCore:
         req = Request.from_message(msg)
         # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
         req.max_tokens = min(req.max_tokens, self.kv_capacity_tokens - req.num_prompt_tokens)
-        generator = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
         spec = msg.params.structured_outputs
         if spec is None:
             self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
@@ -142,8 +140,6 @@ class EngineCore:
             self.scheduler.check_fits(req)
             self.structured.submit(msg.request_id, spec)  # compiles in the manager's thread
             self._waiting_for_grammar[msg.request_id] = req
-        if generator is not None:
-            self._generators[msg.request_id] = generator
         self._requests[msg.request_id] = req
         self.num_added += 1
         if trace_enabled():
@@ -187,7 +183,6 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
-        self._generators.pop(request_id, None)
         self._added_at.pop(request_id, None)
         self.structured.forget(request_id)
         if self.pooler is not None:
@@ -424,5 +419,5 @@ class EngineCore:
             bitmask = torch.empty(1, bitmask_width(self.runner.vocab_size), dtype=torch.int32)
             matcher.fill(bitmask, 0)
             bitmask = bitmask[0]
-        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed, req.request_id,
+        return SamplingRow(req.params, req.generator, suppressed, req.request_id,
                            req.output_token_ids, req.prompt_token_ids, req.bad_words_token_ids, bitmask)
