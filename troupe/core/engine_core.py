@@ -89,7 +89,6 @@ class EngineCore:
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
-        self._added_at: dict[str, float] = {}  # trace only: when a request joined, until first scheduled
         self.pooler: Pooler | None = None  # runner="pooling": prefill-only requests, pooled hidden states
         if config.runner == "pooling":
             info = self.runner.info
@@ -143,7 +142,7 @@ class EngineCore:
         self._requests[msg.request_id] = req
         self.num_added += 1
         if trace_enabled():
-            self._added_at[msg.request_id] = time.monotonic()
+            req.added_at = time.monotonic()
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop these requests and free their blocks; unknown or finished ids are ignored."""
@@ -183,7 +182,6 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
-        self._added_at.pop(request_id, None)
         self.structured.forget(request_id)
         if self.pooler is not None:
             self.pooler.forget(request_id)
@@ -265,7 +263,7 @@ class EngineCore:
     def _trace_scheduled(self, scheduled: Iterable[ScheduledRequest]) -> None:
         now = time.monotonic()
         for s in scheduled:
-            added = self._added_at.pop(s.request.request_id, None)
+            added, s.request.added_at = s.request.added_at, None
             if added is not None:  # its first admission
                 trace(log, "request scheduled", request_id=s.request.external_id, internal_id=s.request.request_id,
                       waited_s=round(now - added, 5), cached_tokens=max(0, s.request.num_cached_tokens),
