@@ -137,7 +137,7 @@ def test_preemption_recomputes_and_resumes() -> None:
     assert out.preempted_req_ids == [b.request_id] and tokens_of(out) == {a.request_id: 1}
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert b.num_tokens == 9 and sched.kv_cache.get_block_ids(b.request_id) == []
-    assert sched._peek_waiting() is b and late.status == RequestStatus.WAITING
+    assert sched.waiting.peek() is b and late.status == RequestStatus.WAITING
     while a.status != RequestStatus.FINISHED:
         step(sched)
     out, outputs, _ = step(sched)

@@ -50,7 +50,8 @@ from troupe.core.logprobs import add_prompt_logprobs, to_lists
 from troupe.core.model_runner import ModelRunner
 from troupe.core.pooler import Pooler
 from troupe.core.request import Request
-from troupe.core.sampler import LogprobsRow, SamplingRow, make_sampler
+from troupe.core.sampler import LogprobsRow, make_sampler
+from troupe.core.sampling_metadata import SamplingRow
 from troupe.core.scheduler import ScheduledRequest, Scheduler
 from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_kind
 from troupe.inputs import ModelLimits, check_runner, validate_prompt_ids, validate_sampling
@@ -86,10 +87,8 @@ class EngineCore:
                                                   compile_timeout_s=config.grammar_compile_timeout_s)
         self._waiting_for_grammar: dict[str, Request] = {}
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
-        self._generators: dict[str, torch.Generator] = {}
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
-        self._added_at: dict[str, float] = {}  # trace only: when a request joined, until first scheduled
         self.pooler: Pooler | None = None  # runner="pooling": prefill-only requests, pooled hidden states
         if config.runner == "pooling":
             info = self.runner.info
@@ -133,7 +132,6 @@ class EngineCore:
         req = Request.from_message(msg)
         # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
         req.max_tokens = min(req.max_tokens, self.kv_capacity_tokens - req.num_prompt_tokens)
-        generator = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
         spec = msg.params.structured_outputs
         if spec is None:
             self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
@@ -141,12 +139,10 @@ class EngineCore:
             self.scheduler.check_fits(req)
             self.structured.submit(msg.request_id, spec)  # compiles in the manager's thread
             self._waiting_for_grammar[msg.request_id] = req
-        if generator is not None:
-            self._generators[msg.request_id] = generator
         self._requests[msg.request_id] = req
         self.num_added += 1
         if trace_enabled():
-            self._added_at[msg.request_id] = time.monotonic()
+            req.added_at = time.monotonic()
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop these requests and free their blocks; unknown or finished ids are ignored."""
@@ -186,8 +182,6 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
-        self._generators.pop(request_id, None)
-        self._added_at.pop(request_id, None)
         self.structured.forget(request_id)
         if self.pooler is not None:
             self.pooler.forget(request_id)
@@ -269,7 +263,7 @@ class EngineCore:
     def _trace_scheduled(self, scheduled: Iterable[ScheduledRequest]) -> None:
         now = time.monotonic()
         for s in scheduled:
-            added = self._added_at.pop(s.request.request_id, None)
+            added, s.request.added_at = s.request.added_at, None
             if added is not None:  # its first admission
                 trace(log, "request scheduled", request_id=s.request.external_id, internal_id=s.request.request_id,
                       waited_s=round(now - added, 5), cached_tokens=max(0, s.request.num_cached_tokens),
@@ -423,5 +417,5 @@ class EngineCore:
             bitmask = torch.empty(1, bitmask_width(self.runner.vocab_size), dtype=torch.int32)
             matcher.fill(bitmask, 0)
             bitmask = bitmask[0]
-        return SamplingRow(req.params, self._generators.get(req.request_id), suppressed, req.request_id,
+        return SamplingRow(req.params, req.generator, suppressed, req.request_id,
                            req.output_token_ids, req.prompt_token_ids, req.bad_words_token_ids, bitmask)

@@ -121,7 +121,8 @@ class ModelRunner:
     def _size_gpu_pool(self, config: EngineConfig, spec: KVSpec) -> int:
         """Blocks for the pool on the GPU: profile the largest step on a throw-away pool, then what
         `gpu_memory_utilization` leaves (unless `num_kv_blocks` / `kv_cache_memory_bytes` say)."""
-        from troupe.core.sampler import Sampler, SamplingRow
+        from troupe.core.sampler import Sampler
+        from troupe.core.sampling_metadata import SamplingRow
         from troupe.sampling_params import SamplingParams
 
         seqs = gpu_memory.profile_seqs(config.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,

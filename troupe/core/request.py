@@ -8,6 +8,7 @@ Contract:
   prompt logprobs computed so far) lives outside the KV cache and survives it.
 - A pooling request (`pooling_params` set) computes its prompt and finishes after the chunk that
   ends it (no token is sampled); it neither reads nor fills the prefix cache.
+- `generator` (a seeded request's RNG) is created with the request and lives as long as it.
 - `prompt_logprob_rows` holds one row per prompt token after the first, filled as prefill chunks
   run; `prompt_logprobs_sent` once they went out with the first token.
 """
@@ -15,6 +16,8 @@ Contract:
 from __future__ import annotations
 
 import enum
+
+import torch
 
 from troupe.messages import AddRequest, FinishReason
 from troupe.pooling import PoolingParams
@@ -34,7 +37,7 @@ class Request:
         "params", "max_tokens", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
         "stop_reason", "block_hashes", "bad_words_token_ids", "prompt_logprob_rows", "prompt_logprobs_sent",
-        "grammar_terminated", "pooling_params",
+        "grammar_terminated", "pooling_params", "generator", "added_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -64,6 +67,10 @@ class Request:
         self.prompt_logprobs_sent = False
         self.grammar_terminated = False  # the structured-output grammar accepted its end
         self.pooling_params = pooling_params  # a pooling request: prefill only, then its pooled vector
+        # its own RNG when it has a seed (one draw per sampled token; survives preemption)
+        self.generator: torch.Generator | None = None if params.seed is None else \
+            torch.Generator().manual_seed(params.seed)
+        self.added_at: float | None = None  # trace only: when the engine took it, until first scheduled
 
     @classmethod
     def from_message(cls, msg: AddRequest) -> Request:

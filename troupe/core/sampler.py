@@ -36,32 +36,17 @@ GPU the whole row (no host read mid-step).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
-from troupe.core.sampling_metadata import SamplingMetadata
+from troupe.core.sampling_metadata import SamplingMetadata, SamplingRow
 from troupe.errors import NoTokenAllowedError
 from troupe.sampling_params import SamplingParams
 
 _TOP_P_SLICE = 1024
 NEG_INF = float("-inf")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs to know about the request behind one logits row."""
-
-    params: SamplingParams
-    generator: torch.Generator | None  # the request's own RNG when it has a seed
-    suppressed: frozenset[int] = frozenset()  # token ids masked this step (min_tokens)
-    request_id: str = ""  # the engine's id of the request (errors, the test-only fault hook)
-    output_token_ids: Sequence[int] = ()  # generated so far (penalties, bad words)
-    prompt_token_ids: Sequence[int] = ()  # (repetition penalty)
-    bad_words: Sequence[Sequence[int]] = ()  # token sequences (vLLM's bad-words rule)
-    bitmask: torch.Tensor | None = None  # (ceil(V/32),) int32: the grammar's allowed tokens this step
 
 
 LogprobsRow = tuple[list[int], list[float], int]  # [chosen, top-1..top-k] ids, their values, chosen's rank

@@ -1,7 +1,8 @@
 """`SamplingMetadata`: one step's sampling parameters as tensors on the logits' device.
 
-Built once per step by `SamplingMetadata.build` from the batch's `SamplingRow`s (host reads of each
-request's parameters and token history, then a few small copies to the device); the sampler then runs
+Built once per step by `SamplingMetadata.build` from the batch's `SamplingRow`s (each what the sampler
+knows of the request behind one logits row; host reads of each request's parameters and token
+history, then a few small copies to the device); the sampler then runs
 on the logits without reading the host again. What each field holds (S rows, V the vocabulary):
 
 - draws: `temperature`, `top_k`, `top_p`, `min_p` per random row (the `rand` rows), and their uniform
@@ -21,12 +22,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from troupe.core.sampler import SamplingRow
+from troupe.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about the request behind one logits row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own RNG when it has a seed
+    suppressed: frozenset[int] = frozenset()  # token ids masked this step (min_tokens)
+    request_id: str = ""  # the engine's id of the request (errors, the test-only fault hook)
+    output_token_ids: Sequence[int] = ()  # generated so far (penalties, bad words)
+    prompt_token_ids: Sequence[int] = ()  # (repetition penalty)
+    bad_words: Sequence[Sequence[int]] = ()  # token sequences (vLLM's bad-words rule)
+    bitmask: torch.Tensor | None = None  # (ceil(V/32),) int32: the grammar's allowed tokens this step
+
 
 
 @dataclass(slots=True)

@@ -9,16 +9,14 @@ does (docs/sampling.md).
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from troupe.core.batch import ScheduledSeq
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.request import Request, RequestStatus
+from troupe.core.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from troupe.errors import InvalidInputError, RequestFailure
 from troupe.messages import EngineCoreOutput, FinishReason, LogprobsLists, SchedulerStats
 
@@ -60,24 +58,20 @@ class Scheduler:
       in the prefix cache, and frees finished requests. It skips requests finished (aborted) since
       `schedule()`.
     - `finish_requests` removes requests from either queue and frees their blocks.
-    Policy: "fcfs" (arrival order; the victim is the last running) or "priority" (lower
+    Policy: the waiting queue (`troupe.core.request_queue`) orders admission and picks the
+    preemption victim: "fcfs" (arrival order; the victim is the last running) or "priority" (lower
     `priority`, then earlier `arrival_time`, first; the victim is the worst running).
     """
 
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: Literal["fcfs", "priority"] = "fcfs") -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+                 max_model_len: int, policy: SchedulingPolicy = "fcfs") -> None:
+        self.waiting: RequestQueue = create_request_queue(policy)
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
-        self._fifo: deque[Request] = deque()  # fcfs waiting queue
-        self._heap: list[tuple[int, float, int, Request]] = []  # priority waiting queue
-        self._seq = itertools.count()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0  # cumulative
         self.step_counter = 0
@@ -92,33 +86,10 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._fifo) + len(self._heap)
+        return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def _push_waiting(self, req: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-        elif front:
-            self._fifo.appendleft(req)
-        else:
-            self._fifo.append(req)
-
-    def _peek_waiting(self) -> Request | None:
-        if self.policy == "priority":
-            return self._heap[0][3] if self._heap else None
-        return self._fifo[0] if self._fifo else None
-
-    def _pop_waiting(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def _remove_waiting(self, req: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(req)
 
     def max_kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """Most tokens a request holds in the KV cache at once (its last sampled token is never
@@ -143,22 +114,19 @@ class Scheduler:
         assert req.num_prompt_tokens >= 1 and req.status == RequestStatus.WAITING
         self.check_fits(req)
         self.requests[req.request_id] = req
-        self._push_waiting(req)
+        self.waiting.add(req)
 
     # ------------------------------------------------------------------ schedule
 
     def _preempt_victim(self) -> Request:
-        if self.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
-        else:
-            victim = self.running.pop()
+        victim = self.waiting.victim(self.running)
+        self.running.remove(victim)
         self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._push_waiting(victim, front=True)
+        self.waiting.prepend(victim)
         return victim
 
     def schedule(self) -> SchedulerOutput:
@@ -188,7 +156,7 @@ class Scheduler:
             chunks[req.request_id] = (req, n)
             budget -= n
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            head = self._peek_waiting()
+            head = self.waiting.peek()
             if head is None:
                 break
             # prompt logprobs and pooling need every prompt position computed: no prefix-cache read
@@ -196,7 +164,7 @@ class Scheduler:
             n = min(head.num_tokens - hit_tokens, budget)
             if kv.allocate_slots(head, n, hit_blocks, hit_tokens) is None:
                 break  # no skipping ahead: the head would starve
-            self._pop_waiting()
+            self.waiting.pop()
             if head.num_cached_tokens < 0:
                 head.num_cached_tokens = hit_tokens
             head.num_computed_tokens = hit_tokens
@@ -312,7 +280,7 @@ class Scheduler:
                 self.running.remove(req)
                 self.kv_cache.free(req)
             else:
-                self._remove_waiting(req)
+                self.waiting.remove(req)
             req.status = RequestStatus.FINISHED
             req.finish_reason = reason
             done.append(rid)
