@@ -35,30 +35,10 @@ def stored_hf_last_pooled(model_dir: Path, prompts: list[list[int]]) -> list[tor
     the converted weights' record, size and mtime, the transformers and torch versions), as
     tests/models/test_hf_equality.py keeps its greedy runs: a later session skips loading transformers'
     model. The first process computes it under a file lock; the others wait and read it."""
-    import fcntl
-    import hashlib
-    import json
-    import os
+    from support.oracles import stored
 
-    import transformers
-
-    from troupe.paths import cache_dir
-
-    weights = model_dir / "model.safetensors"
-    stat = weights.stat()
-    h = hashlib.sha256(json.dumps(["pool-last-normalized", prompts, transformers.__version__, torch.__version__,
-                                   (model_dir / "troupe_conversion.json").read_text(), stat.st_size,
-                                   stat.st_mtime_ns]).encode())
-    folder = cache_dir() / "test-oracles"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{h.hexdigest()[:24]}.pt"
-    with open(folder / f"{path.stem}.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        if path.exists():
-            return list(torch.load(path, weights_only=True))
+    def compute() -> list[torch.Tensor]:
         model = hf_model(model_dir)
-        vectors = [hf_pooled(model, p, "LAST", True) for p in prompts]
-        partial = path.with_suffix(".partial")
-        torch.save(vectors, partial)
-        os.replace(partial, path)
-        return vectors
+        return [hf_pooled(model, p, "LAST", True) for p in prompts]
+
+    return list(stored(model_dir, ["pool-last-normalized", prompts], compute))

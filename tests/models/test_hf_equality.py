@@ -12,10 +12,6 @@ pool); the default chunks also with the eager kernel set.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from factories import CORES
+from support.oracles import stored
 
 from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
@@ -30,7 +27,6 @@ from troupe.core.engine_core import EngineCore
 from troupe.messages import AddRequest
 from troupe.models.default_model import ensure_default_model
 from troupe.models.loader import load_tokenizer
-from troupe.paths import cache_dir
 from troupe.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the default model in troupe and in transformers
@@ -88,27 +84,13 @@ def _stored_hf_run(model_dir: Path, prompts: list[list[int]]) -> Oracle:
     the result depends on: the prompts, NEW_TOKENS, the converted weights (their conversion record,
     size and mtime) and the transformers and torch versions. The first process to need it computes
     it under a file lock; the others wait and read it."""
-    import transformers
+    data = stored(model_dir, [prompts, NEW_TOKENS], lambda: _as_stored(_hf_run(model_dir, prompts)))
+    return Oracle(data["tokens"], [[set(s) for s in row] for row in data["top5"]], data["logits"])
 
-    weights = model_dir / "model.safetensors"
-    stat = weights.stat()
-    h = hashlib.sha256(json.dumps([prompts, NEW_TOKENS, transformers.__version__, torch.__version__,
-                                   (model_dir / "troupe_conversion.json").read_text(), stat.st_size,
-                                   stat.st_mtime_ns]).encode())
-    folder = cache_dir() / "test-oracles"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{h.hexdigest()[:24]}.pt"
-    with open(folder / f"{path.stem}.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        if path.exists():
-            data = torch.load(path, weights_only=True)
-            return Oracle(data["tokens"], [[set(s) for s in row] for row in data["top5"]], data["logits"])
-        oracle = _hf_run(model_dir, prompts)
-        partial = path.with_suffix(".partial")
-        torch.save({"tokens": oracle.tokens, "top5": [[sorted(s) for s in row] for row in oracle.top5],
-                    "logits": oracle.logits}, partial)
-        os.replace(partial, path)
-        return oracle
+
+def _as_stored(oracle: Oracle) -> dict[str, Any]:
+    return {"tokens": oracle.tokens, "top5": [[sorted(s) for s in row] for row in oracle.top5],
+            "logits": oracle.logits}
 
 
 def _hf_run(model_dir: Any, prompts: list[list[int]]) -> Oracle:
