@@ -12,7 +12,7 @@ import pytest
 from troupe.bench import moe_llamacpp
 
 TINY = ["--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--experts", "8", "--expert-ff", "256",
-        "--rounds", "1", "--prompt-len", "16", "--gen-tokens", "4", "--batch", "3", "--single-repeats", "1",
+        "--rounds", "1", "--prompt-len", "16", "--gen-tokens", "8", "--batch", "3", "--single-repeats", "1",
         "--threads", "1"]
 
 

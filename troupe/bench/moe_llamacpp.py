@@ -9,10 +9,11 @@
    parallel slots, continuous batching, `-c B x 256`, its default mmap; prompts not cached). Both take the
    same requests from the same client code here: `/v1/completions` with token-id prompts (distinct
    random ids, so that routing spreads over the experts as real text does), greedy, `ignore_eos`:
-   - single stream: a `--prompt-len` prompt alone; TTFT = wall time of a 1-token request, ITL =
-     (T(N) - T(1)) / (N - 1) for N = `--gen-tokens` (medians of `--single-repeats`);
-   - batched decode: B = `--batch` such prompts at once; decode tok/s = B (N - 1) / (T_B(N) - T_B(1))
-     (what the decode steps produce, the B prefills taken out);
+   every request streamed, N = `--gen-tokens` tokens each, its first and last chunk timed:
+   - single stream: a `--prompt-len` prompt alone; TTFT = request sent to first chunk, ITL = (last chunk -
+     first chunk) / (N - 1) (medians of `--single-repeats`);
+   - batched decode: B = `--batch` such prompts at once; decode tok/s = the sum over the B requests of
+     (N - 1) / (last chunk - first chunk): what the decode steps produce, the prefills taken out;
    and one unmeasured warm-up of each kind first. Peak RSS of each server's process tree is sampled
    meanwhile (file pages included: both engines map the GGUF).
 3. The table: each engine's medians over the rounds and troupe's ratios to llama.cpp
@@ -130,8 +131,9 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 class Client:
-    """Completions against one server: `run(batch, max_tokens)` sends every prompt at once and returns the
-    wall time until the last answer; each answer must hold exactly `max_tokens` tokens."""
+    """Streamed completions against one server: `run(batch, max_tokens)` sends every prompt at once and
+    returns, per prompt, the seconds from sending to its first chunk and to its last; a request that is
+    not streamed (`stream=False`) must hold exactly `max_tokens` tokens."""
 
     def __init__(self, url: str, extra: dict[str, Any], timeout: float) -> None:
         import httpx
@@ -140,21 +142,37 @@ class Client:
         self.extra = extra
         self.pool = ThreadPoolExecutor(max_workers=64)
 
-    def one(self, prompt: list[int], max_tokens: int) -> None:
+    def one(self, prompt: list[int], max_tokens: int, stream: bool) -> tuple[float, float]:
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, **self.extra}
-        resp = self.http.post("/v1/completions", json=body)
-        if resp.status_code != 200:
-            raise WorkerError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        got = resp.json()["usage"]["completion_tokens"]
-        if got != max_tokens:
-            raise WorkerError(f"{got} tokens where {max_tokens} were asked for (ignore_eos)")
+                "ignore_eos": True, "stream": stream, **self.extra}
+        sent = time.perf_counter()
+        if not stream:
+            resp = self.http.post("/v1/completions", json=body)
+            if resp.status_code != 200:
+                raise WorkerError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+            got = resp.json()["usage"]["completion_tokens"]
+            if got != max_tokens:
+                raise WorkerError(f"{got} tokens where {max_tokens} were asked for (ignore_eos)")
+            done = time.perf_counter() - sent
+            return done, done
+        first = last = None
+        with self.http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise WorkerError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if not json.loads(line[6:]).get("choices"):
+                    continue  # a usage-only chunk
+                last = time.perf_counter() - sent
+                first = last if first is None else first
+        if first is None or last is None or last <= first:
+            raise WorkerError(f"a stream of {max_tokens} tokens came in fewer than two chunks: nothing to time "
+                              "the decode by (raise --gen-tokens)")
+        return first, last
 
-    def run(self, batch: list[list[int]], max_tokens: int) -> float:
-        t = time.perf_counter()
-        for f in [self.pool.submit(self.one, p, max_tokens) for p in batch]:
-            f.result()
-        return time.perf_counter() - t
+    def run(self, batch: list[list[int]], max_tokens: int, stream: bool = True) -> list[tuple[float, float]]:
+        return [f.result() for f in [self.pool.submit(self.one, p, max_tokens, stream) for p in batch]]
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -162,19 +180,18 @@ class Client:
 
 
 def measure(client: Client, single: list[int], batch: list[list[int]], n: int, repeats: int) -> dict[str, float]:
-    """The figures of one server (see the module docstring, 2)."""
-    client.run([single], 4)  # warm-up: first calls, allocations
-    client.run(batch, 2)
+    """The figures of one server (see the module docstring, 2). Each figure is a ratio of a count to the
+    time between two chunks of one stream, so it is positive whatever the noise."""
+    client.run([single], n, stream=False)  # warm-up: first calls, allocations; the token count checked
+    client.run(batch, n, stream=False)
     ttfts, itls = [], []
     for _ in range(repeats):
-        first = client.run([single], 1)
-        whole = client.run([single], n)
+        ((first, last),) = client.run([single], n)
         ttfts.append(1e3 * first)
-        itls.append(1e3 * (whole - first) / (n - 1))
-    first = client.run(batch, 1)
-    whole = client.run(batch, n)
+        itls.append(1e3 * (last - first) / (n - 1))
+    rates = [(n - 1) / (last - first) for first, last in client.run(batch, n)]
     return {"single_ttft_ms": statistics.median(ttfts), "single_itl_ms": statistics.median(itls),
-            "batch_decode_tok_s": len(batch) * (n - 1) / (whole - first)}
+            "batch_decode_tok_s": sum(rates)}
 
 
 def serve_and_measure(cmd: list[str], port: int, extra: dict[str, Any], env: dict[str, str], log: Path,
