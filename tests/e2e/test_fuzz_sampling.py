@@ -354,7 +354,7 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(prompt, fields, invalid, mutate)
 
 
-EXAMPLES = 100
+EXAMPLES = 60
 # One explicit batch with every outcome the test promises, whatever hypothesis draws: a stop (the
 # only allowed token is a stop id), a length (EOS ignored), an invalid field refused at construction
 # and one set after construction and refused at submission.

@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # hundreds of request
 
 MAX_TOKENS = 8
 MAX_N = 3  # choices: each is an engine request
-EXAMPLES = 400
+EXAMPLES = 300
 GET_EXAMPLES = 5  # an operation without input: little to vary
 HEALTH_EVERY = 25
 CHECKS = [status_code_conformance, content_type_conformance, response_headers_conformance,
@@ -253,7 +253,7 @@ def test_schemathesis_finds_no_5xx_and_no_engine_death(server: ServerProcess, sc
 
 # ---------------------------------------------------------------------- issue 14's fields, combined
 
-FEATURE_EXAMPLES = 120
+FEATURE_EXAMPLES = 80
 SCHEMAS = [{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False},
            {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
            {"type": "string", "maxLength": 4}]

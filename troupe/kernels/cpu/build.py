@@ -176,11 +176,15 @@ def load_ops(name: str, sources: tuple[str, ...]) -> bool:
 def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("native",), jobs: int = 2,
              timeout: float = 1800) -> None:
     """Compile `extensions` (name -> sources) for each of `isas`, `jobs` builds at a time, each in its own
-    process (a process loads one library per name), into the cache that `build` then loads from. A build
-    that fails is left for `build` to report where it is used."""
+    process (a process loads one library per name), into the cache that `build` then loads from; what the
+    cache holds already is skipped here. A build that fails is left for `build` to report where it is
+    used."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(target: str, name: str, sources: tuple[str, ...]) -> None:
+        flags = [*BASE_FLAGS, *ISA_FLAGS[target]]
+        if (_cache_root() / _build_key(name, [CSRC / s for s in sources], flags) / "built").exists():
+            return  # built before: no process (and no torch import) to find that out
         code = f"from troupe.kernels.cpu.build import load_ops; load_ops({name!r}, {tuple(sources)!r})"
         env = {**os.environ, "TROUPE_CPU_ISA": target, "MAX_JOBS": "1"}  # the parallelism is ours: one job each
         subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=timeout, check=False)
