@@ -157,6 +157,10 @@ class Graph(anyio.AsyncContextManagerMixin):
         return self._table.dead_error
 
     @property
+    def num_unanswered(self) -> int:
+        return len(self._waiting)
+
+    @property
     def num_unfinished(self) -> int:
         return self._table.num_unfinished
 

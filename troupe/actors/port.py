@@ -65,6 +65,11 @@ class FrontendPort(Protocol):
         ...
 
     @property
+    def num_unanswered(self) -> int:
+        """Submissions and utility calls whose callers still wait for an answer."""
+        ...
+
+    @property
     def engine_stats(self) -> dict[int, SchedulerStats]:
         """The latest scheduler stats each engine published, by engine index."""
         ...
