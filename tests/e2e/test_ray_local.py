@@ -100,8 +100,12 @@ async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_l
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The cluster's processes die with the thread that started them (PR_SET_PDEATHSIG): that is
     troupe's session thread, alive while the frontend runs; once anyio has reaped the worker threads
-    busy during the start (idle ones go after 10 s, at the next hand-off), the engines still serve
-    and the group is healthy; leaving stops the cluster and the thread, and no process is left."""
+    busy during the start (idle ones go at the next hand-off after `MAX_IDLE_TIME`: anyio's 10 s, made
+    0.5 s here so that the test does not wait for it), the engines still serve and the group is healthy;
+    leaving stops the cluster and the thread, and no process is left."""
+    from anyio._backends._asyncio import WorkerThread
+
+    monkeypatch.setattr(WorkerThread, "MAX_IDLE_TIME", 0.5)
     for name, value in QUIET_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -113,11 +117,11 @@ async def test_a_local_cluster_outlives_the_frontends_idle_worker_threads(tiny_l
         workers = {t for t in threading.enumerate() if t.name.startswith("AnyIO worker thread")}
         assert workers  # the start ran Ray's blocking calls in them
         with anyio.fail_after(60):
-            while True:  # each hand-off reuses the latest idle worker and reaps those idle for 10 s
+            while True:  # each hand-off reuses the latest idle worker and reaps those idle for MAX_IDLE_TIME
                 poker = await anyio.to_thread.run_sync(threading.current_thread)
                 if not any(t.is_alive() for t in workers - {poker}):
                     break
-                await anyio.sleep(0.5)
+                await anyio.sleep(0.2)
         for i in range(4):
             outs = [o async for o in llm.generate(f"still here {i}", params, data_parallel_rank=i % 2)]
             assert len(outs[-1].outputs[0].token_ids) == 4

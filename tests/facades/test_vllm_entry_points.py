@@ -249,7 +249,9 @@ async def test_shutdown_answers_the_calls_still_waiting(tiny_llama: Path, tmp_pa
                         stuck = True
                     await anyio.sleep(0.05)
                 tg.start_soon(utility_call)
-                while llm._port is None or llm._port.num_unanswered == 0:  # the call waits for its answer
+                while True:  # the condition, polled under the deadline: the call waits for its answer
+                    if llm._port is not None and llm._port.num_unanswered > 0:
+                        break
                     await anyio.sleep(0.01)
                 assert errors == []
                 await llm.shutdown()
