@@ -196,6 +196,30 @@ def test_admission_order(policy: str, specs: list[tuple[int, float]], expected: 
     assert order == expected
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_waiting_for_its_grammar_is_skipped_and_keeps_its_place(policy: str) -> None:
+    """WAITING_FOR_FSM (its structured-output grammar compiling): admission passes over it, the requests
+    behind it run, it counts as waiting and can be aborted there; once WAITING it is admitted before
+    the requests that came after it."""
+    sched = make_scheduler(policy=policy, max_num_seqs=2)
+    reqs = [make_request(4, max_tokens=4) for _ in range(4)]
+    reqs[0].status = RequestStatus.WAITING_FOR_FSM
+    reqs[1].status = RequestStatus.WAITING_FOR_FSM
+    for r in reqs:
+        sched.add_request(r)
+    out, _, _ = step(sched)
+    assert [s.request for s in out.scheduled] == reqs[2:]
+    assert sched.num_waiting == 2 and [r.status for r in reqs[:2]] == [RequestStatus.WAITING_FOR_FSM] * 2
+    assert list(sched.waiting) == reqs[:2]  # still in their order, at the front
+    assert sched.finish_requests(reqs[1].request_id) == [reqs[1].request_id]
+    reqs[0].status = RequestStatus.WAITING
+    later = make_request(4, max_tokens=4)
+    sched.add_request(later)
+    sched.finish_requests([r.request_id for r in reqs[2:]])
+    out, _, _ = step(sched)
+    assert [s.request for s in out.scheduled] == [reqs[0], later]
+
+
 def test_abort_frees_blocks() -> None:
     """Aborting running and waiting requests frees every block; the ids reach the next output."""
     sched = make_scheduler(max_num_seqs=1)

@@ -254,7 +254,7 @@ def test_engine_compiles_off_the_step_caches_and_isolates_failures(core: EngineC
     core.add_request(AddRequest("plain", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 5))
     assert core.abort_requests(["gone"]) == ["gone"]
     outs = run(core)
-    assert "gone" not in outs and not core._waiting_for_grammar and not core.structured._matchers
+    assert "gone" not in outs and not core.has_unfinished_requests() and core.structured.num_waiting == 0
     assert outs["bad"][1].finish_reason == FinishReason.ERROR and "injected" in outs["bad"][1].error
     assert outs["plain"][0] and len(outs["plain"][0]) == 5
     tokenizer = load_tokenizer(core.runner.model_path)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import make_request
 
 from troupe.config import EngineConfig
 from troupe.core.batch import ScheduledSeq
@@ -124,10 +125,11 @@ def test_pooler_folds_chunks_like_one_pass(kind: str) -> None:
     full = torch.randn(10, 4, generator=g)  # (T, hidden): request "a"'s final hidden states
     other = torch.randn(3, 4, generator=g)
     pooler = Pooler(PoolerConfig(pooling_type=kind, normalize=False, hidden_size=4))
+    requests = {"a": make_request(10, rid="a"), "b": make_request(3, rid="b")}
 
     def step(seqs: list[ScheduledSeq], rows_of: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         step_hidden = torch.cat(rows_of)  # (T_step, hidden)
-        return pooler.update(seqs, step_hidden[pooler.rows(seqs)])
+        return pooler.update(seqs, step_hidden[pooler.rows(seqs)], requests)
 
     seq = lambda rid, start, n, total: ScheduledSeq(rid, [0] * n, start, [], start + n == total)  # noqa: E731
     assert step([seq("a", 0, 4, 10), seq("b", 0, 3, 3)], [full[:4], other]).keys() == {"b"}
@@ -136,6 +138,7 @@ def test_pooler_folds_chunks_like_one_pass(kind: str) -> None:
     done = step([seq("a", 7, 3, 10)], [full[7:]])
     expected = {"LAST": full[-1], "MEAN": full.mean(dim=0), "CLS": full[0]}[kind]
     torch.testing.assert_close(done["a"], expected)
+    assert requests["a"].pooling_state is None and requests["b"].pooling_state is None  # nothing kept
     assert pooler.finish(done["a"], PoolingParams(normalize=True)) == pytest.approx(
         torch.nn.functional.normalize(expected, dim=0).tolist(), abs=1e-6)
 

@@ -18,9 +18,11 @@ instead of logits (`ModelRunner.execute_hidden`), the `Pooler` folds each chunk 
 request whose chunk ended its prompt finishes with its vector (`EngineCoreOutput.pooled`); nothing is
 sampled, and its KV blocks are freed at once.
 
-Structured outputs: a request with `structured_outputs` waits outside the scheduler while its grammar
-compiles in the `StructuredOutputManager`'s worker thread (never on this step path), and joins the
-scheduler once it is ready; a compilation that fails finishes that request alone with an error.
+Structured outputs: a request with `structured_outputs` enters the scheduler's queue as
+`WAITING_FOR_FSM`, which admission skips (it keeps its place), while its grammar compiles in the
+`StructuredOutputManager`'s worker thread (never on this step path); once it is ready the request holds
+its matcher (`Request.matcher`) and is `WAITING`; a compilation that fails finishes that request alone
+with an error.
 
 Per-request fault isolation: an exception that belongs to one request (building its sampling row or
 grammar bitmask, sampling its row, its grammar, its prompt logprobs, its stop checks, its add) finishes that request alone with
@@ -49,7 +51,7 @@ from troupe.core.kv_cache import KVCacheManager
 from troupe.core.logprobs import add_prompt_logprobs, to_lists
 from troupe.core.model_runner import ModelRunner
 from troupe.core.pooler import Pooler
-from troupe.core.request import Request
+from troupe.core.request import Request, RequestStatus
 from troupe.core.sampler import LogprobsRow, make_sampler
 from troupe.core.sampling_metadata import SamplingRow
 from troupe.core.scheduler import ScheduledRequest, Scheduler
@@ -85,7 +87,6 @@ class EngineCore:
         self.structured = StructuredOutputManager(lambda: load_tokenizer(model_path), self.runner.vocab_size,
                                                   list(self.runner.info.eos_token_ids),
                                                   compile_timeout_s=config.grammar_compile_timeout_s)
-        self._waiting_for_grammar: dict[str, Request] = {}
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
         self._requests: dict[str, Request] = {}
         self._aborted_since_last_step: list[str] = []
@@ -133,12 +134,11 @@ class EngineCore:
         # A request that can never fit the pool would wait (or preempt itself) forever: cap it.
         req.max_tokens = min(req.max_tokens, self.kv_capacity_tokens - req.num_prompt_tokens)
         spec = msg.params.structured_outputs
-        if spec is None:
-            self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
-        else:
-            self.scheduler.check_fits(req)
+        if spec is not None:
+            req.status = RequestStatus.WAITING_FOR_FSM  # queued, skipped until its grammar is ready
+        self.scheduler.add_request(req)  # the last check that can refuse it: nothing to undo before
+        if spec is not None:
             self.structured.submit(msg.request_id, spec)  # compiles in the manager's thread
-            self._waiting_for_grammar[msg.request_id] = req
         self._requests[msg.request_id] = req
         self.num_added += 1
         if trace_enabled():
@@ -147,8 +147,7 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop these requests and free their blocks; unknown or finished ids are ignored."""
         ids = [r for r in request_ids if r in self._requests]
-        waiting = [r for r in ids if self._waiting_for_grammar.pop(r, None) is not None]
-        aborted = waiting + self.scheduler.finish_requests(ids, FinishReason.ABORT)
+        aborted = self.scheduler.finish_requests(ids, FinishReason.ABORT)
         for rid in aborted:
             req = self._requests[rid]
             log.debug("request aborted", request_id=req.external_id, internal_id=rid,
@@ -159,7 +158,7 @@ class EngineCore:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
+        return self.scheduler.has_unfinished_requests()
 
     def close(self) -> None:
         """Stop the grammar compiler's thread (idempotent; also done when the engine is collected)."""
@@ -183,8 +182,6 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self.structured.forget(request_id)
-        if self.pooler is not None:
-            self.pooler.forget(request_id)
 
     # ------------------------------------------------------------------ stepping
 
@@ -220,7 +217,7 @@ class EngineCore:
                 self._advance_grammars(sampled, failed)
                 logprobs = {rid: to_lists([row]) for rid, row in rows.items()}
             self.step_counter += 1
-        elif self._waiting_for_grammar:
+        elif self.structured.num_waiting:
             self.structured.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar is ready
         outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed, logprobs, prompt_logprobs,
                                                               pooled)
@@ -251,7 +248,7 @@ class EngineCore:
         state; the finished vectors by request id (a request whose `finish` raises fails alone)."""
         hidden = self.runner.execute_hidden(seqs, pooler.rows(seqs))  # (R, hidden)
         pooled: dict[str, list[float]] = {}
-        for rid, vector in pooler.update(seqs, hidden).items():
+        for rid, vector in pooler.update(seqs, hidden, self._requests).items():
             req = self._requests[rid]
             assert req.pooling_params is not None
             try:
@@ -270,17 +267,20 @@ class EngineCore:
                       chunk_tokens=s.num_new_tokens)
 
     def _admit_grammar_ready(self) -> None:
-        """Requests whose grammar compiled join the scheduler; those whose compilation failed finish."""
-        if not self._waiting_for_grammar:
+        """Requests whose grammar compiled take their matcher and become WAITING (admission no longer
+        skips them); those whose compilation failed finish."""
+        if not self.structured.num_waiting:
             return
         ready, failed = self.structured.poll()
-        for rid in ready:
-            req = self._waiting_for_grammar.pop(rid, None)
-            if req is not None:
-                self.scheduler.add_request(req)
+        for rid, matcher in ready.items():
+            req = self._requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_FSM:
+                req.matcher = matcher
+                req.status = RequestStatus.WAITING
         for rid, error in failed.items():
-            req = self._waiting_for_grammar.pop(rid, None)
-            if req is not None:
+            req = self._requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_FSM:
+                self.scheduler.finish_requests([rid], FinishReason.ERROR)
                 log.error("request failed", request_id=req.external_id, internal_id=rid, error=error)
                 # the spec passed the edge's checks, but its grammar did not compile (in time): the
                 # request's own input, a 400; a matcher that failed on a compiled grammar is ours
@@ -333,7 +333,7 @@ class EngineCore:
     def _advance_grammars(self, sampled: dict[str, int], failed: dict[str, RequestFailure]) -> None:
         """Each structured request's grammar accepts its sampled token; one it rejects fails the request."""
         for rid, token in list(sampled.items()):
-            matcher = self.structured.matcher(rid)
+            matcher = self._requests[rid].matcher
             if matcher is None:
                 continue
             try:
@@ -412,7 +412,7 @@ class EngineCore:
         if req.num_output_tokens < req.params.min_tokens:
             suppressed = req.eos_token_ids | req.stop_token_ids
         bitmask = None
-        matcher = self.structured.matcher(req.request_id)
+        matcher = req.matcher
         if matcher is not None:
             bitmask = torch.empty(1, bitmask_width(self.runner.vocab_size), dtype=torch.int32)
             matcher.fill(bitmask, 0)

@@ -7,8 +7,12 @@ Contract:
   keeps about the request (its output tokens for the penalties and bad words, its grammar matcher, the
   prompt logprobs computed so far) lives outside the KV cache and survives it.
 - A pooling request (`pooling_params` set) computes its prompt and finishes after the chunk that
-  ends it (no token is sampled); it neither reads nor fills the prefix cache.
+  ends it (no token is sampled); it neither reads nor fills the prefix cache. `pooling_state` holds
+  what the pooler folded from its chunks so far.
 - `generator` (a seeded request's RNG) is created with the request and lives as long as it.
+- A structured-output request enters the waiting queue as `WAITING_FOR_FSM` while its grammar compiles;
+  the engine then sets `matcher` (which the grammar's bitmask and accepted tokens go through) and makes
+  it `WAITING`.
 - `prompt_logprob_rows` holds one row per prompt token after the first, filled as prefill chunks
   run; `prompt_logprobs_sent` once they went out with the first token.
 """
@@ -16,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,12 +28,16 @@ from troupe.messages import AddRequest, FinishReason
 from troupe.pooling import PoolingParams
 from troupe.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from troupe.structured.backend import Matcher
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_FSM = 4  # queued while its structured-output grammar compiles: admission skips it
 
 
 class Request:
@@ -37,7 +46,7 @@ class Request:
         "params", "max_tokens", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
         "stop_reason", "block_hashes", "bad_words_token_ids", "prompt_logprob_rows", "prompt_logprobs_sent",
-        "grammar_terminated", "pooling_params", "generator", "added_at",
+        "grammar_terminated", "matcher", "pooling_params", "pooling_state", "generator", "added_at",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -65,8 +74,10 @@ class Request:
         self.bad_words_token_ids: list[list[int]] = bad_words_token_ids or []
         self.prompt_logprob_rows: list[tuple[list[int], list[float], int]] = []
         self.prompt_logprobs_sent = False
+        self.matcher: Matcher | None = None  # its structured-output grammar's state, once compiled
         self.grammar_terminated = False  # the structured-output grammar accepted its end
         self.pooling_params = pooling_params  # a pooling request: prefill only, then its pooled vector
+        self.pooling_state: torch.Tensor | None = None  # the pooler's state between prefill chunks
         # its own RNG when it has a seed (one draw per sampled token; survives preemption)
         self.generator: torch.Generator | None = None if params.seed is None else \
             torch.Generator().manual_seed(params.seed)

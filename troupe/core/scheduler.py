@@ -111,7 +111,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises `InvalidInputError` if it could never fit in the KV pool."""
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
-        assert req.num_prompt_tokens >= 1 and req.status == RequestStatus.WAITING
+        assert req.num_prompt_tokens >= 1 and req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM)
         self.check_fits(req)
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -155,10 +155,14 @@ class Scheduler:
                 continue  # it preempted itself (fcfs: it was last; priority: better ones may follow)
             chunks[req.request_id] = (req, n)
             budget -= n
+        skipped: list[Request] = []  # waiting for their grammar: they keep their place, the next go first
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             head = self.waiting.peek()
             if head is None:
                 break
+            if head.status == RequestStatus.WAITING_FOR_FSM:
+                skipped.append(self.waiting.pop())
+                continue
             # prompt logprobs and pooling need every prompt position computed: no prefix-cache read
             hit_blocks, hit_tokens = ([], 0) if head.needs_every_position else kv.get_computed_blocks(head)
             n = min(head.num_tokens - hit_tokens, budget)
@@ -172,6 +176,8 @@ class Scheduler:
             self.running.append(head)
             chunks[head.request_id] = (head, n)
             budget -= n
+        for req in reversed(skipped):
+            self.waiting.prepend(req)
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self._finished_ids)
         self._finished_ids = []
         for req, n in chunks.values():

@@ -4,18 +4,18 @@ Contract (the engine core calls it; nothing here runs on the event loop):
 - `submit(request_id, spec)` starts compiling the spec in one of the manager's `THREADS` worker threads
   (so one slow grammar delays no other), or reuses the
   compilation of an equal spec: compiled grammars are cached by `StructuredOutputsParams.key()`, the
-  most recent `CACHE_SIZE` of them). The request waits outside the scheduler until it is ready
-  (vLLM's WAITING_FOR_FSM).
-- `poll()` returns the requests whose grammar is ready (each now has a `Matcher`) and those whose
+  most recent `CACHE_SIZE` of them). Meanwhile the request waits in the scheduler's queue with the
+  status `WAITING_FOR_FSM`, which admission skips.
+- `poll()` returns the requests whose grammar is ready, each with its new `Matcher` (the engine keeps
+  it on the request: `Request.matcher`), and those whose
   compilation failed, with the error text (only that request fails), a compilation still running
   `compile_timeout_s` after its request was submitted among them (the request fails; xgrammar cannot
   be interrupted, so the compilation runs on into the cache, holding its thread). The clock starts once
   the compiler exists (`_ready_at`): its one-time build is not a request's compile time. `wait(timeout)`
   blocks until one more is done or the timeout passes (the engine calls it only when it has nothing
   else to run).
-- `matcher(request_id)` is the request's matcher once ready; `forget(request_id)` drops a finished or
-  aborted request (a compilation no other request waits for is cancelled if it has not started, else
-  left to finish into the cache).
+- `forget(request_id)` drops a finished or aborted request's compilation (one no other request waits
+  for is cancelled if it has not started, else left to finish into the cache).
 - `close()` stops the worker threads (also done when the manager is garbage-collected).
 
 The compiler (the model's tokenizer and xgrammar's view of its vocabulary) is built in the worker
@@ -53,7 +53,6 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
         self._pending: dict[str, Future[Any]] = {}
-        self._matchers: dict[str, Matcher] = {}
         self.num_compiled = 0  # compilations run (cache misses)
         self._ready_at: float | None = None  # when the compiler was built; no deadline runs before
 
@@ -91,9 +90,9 @@ class StructuredOutputManager:
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._pending
 
-    def poll(self) -> tuple[list[str], dict[str, str]]:
-        """(ready request ids, {failed request id: error}), in submission order."""
-        ready: list[str] = []
+    def poll(self) -> tuple[dict[str, Matcher], dict[str, str]]:
+        """({ready request id: its matcher}, {failed request id: error}), in submission order."""
+        ready: dict[str, Matcher] = {}
         failed: dict[str, str] = {}
         now = time.monotonic()
         for rid, future in list(self._pending.items()):
@@ -110,11 +109,9 @@ class StructuredOutputManager:
                 failed[rid] = f"grammar compilation failed: {type(exc).__name__}: {exc}"
                 continue
             try:
-                self._matchers[rid] = Matcher(future.result())
+                ready[rid] = Matcher(future.result())
             except Exception as exc:  # this request's own failure
                 failed[rid] = f"grammar matcher failed: {type(exc).__name__}: {exc}"
-                continue
-            ready.append(rid)
         return ready, failed
 
     def _deadline_base(self, request_id: str) -> float:
@@ -128,13 +125,9 @@ class StructuredOutputManager:
             wait_futures(list(self._pending.values()), timeout=max(0.0, min(timeout, due)),
                          return_when=FIRST_COMPLETED)
 
-    def matcher(self, request_id: str) -> Matcher | None:
-        return self._matchers.get(request_id)
-
     def forget(self, request_id: str) -> None:
         future = self._pending.pop(request_id, None)
         self._submitted.pop(request_id, None)
-        self._matchers.pop(request_id, None)
         if future is not None and not any(f is future for f in self._pending.values()) and future.cancel():
             for key, cached in list(self._cache.items()):  # never started: nobody else will get it
                 if cached is future:
