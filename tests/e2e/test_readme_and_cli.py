@@ -100,7 +100,7 @@ def test_cli_prints_the_answer_only_unless_verbose(tiny_llama: Path) -> None:
 def test_cli_generate_n(tiny_llama: Path) -> None:
     """--n 2 prints two different samples, each under its header."""
     proc = _cli("generate", "hi", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5",
-                "--temperature", "1", "--seed", "7", "--ignore-eos", "--n", "2")
+                "--temperature", "1", "--seed", "7", "--ignore-eos", "--n", "2", "--in-process")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert [line for line in lines if line.startswith("--- sample")] == ["--- sample 0 ---", "--- sample 1 ---"]
@@ -114,7 +114,7 @@ def test_cli_generate_logprobs(tiny_llama: Path) -> None:
     """--logprobs 2 adds, after the answer, one line per generated token: its text, a logprob <= 0
     and its 2 alternatives."""
     proc = _cli("generate", "hi", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5",
-                "--temperature", "0", "--ignore-eos", "--logprobs", "2")
+                "--temperature", "0", "--ignore-eos", "--logprobs", "2", "--in-process")
     assert proc.returncode == 0, proc.stderr[-3000:]
     token_lines = [line.split("\t") for line in proc.stdout.splitlines() if line.count("\t") == 2]
     assert len(token_lines) == 5
@@ -133,7 +133,7 @@ def test_cli_generate_json_schema(tmp_path: Path) -> None:
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     proc = _cli("generate", "Describe the weather in Paris as JSON.", "--chat-template", "--json-schema", str(path),
-                "--max-tokens", "60", "--temperature", "0")
+                "--max-tokens", "60", "--temperature", "0", "--in-process")
     assert proc.returncode == 0, proc.stderr[-3000:]
     jsonschema.validate(json.loads(proc.stdout), schema)
     bad = _cli("generate", "hi", "--json-schema", str(tmp_path / "missing.json"))
