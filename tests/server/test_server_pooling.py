@@ -161,6 +161,29 @@ def test_openapi_lists_the_pooling_endpoints(http: httpx.Client) -> None:
     assert {"input", "encoding_format", "dimensions"} <= set(doc["components"]["schemas"]["EmbeddingRequest"]["properties"])
 
 
+def test_chat_messages_embed_the_rendered_conversation(http: httpx.Client, tiny_llama: Path) -> None:
+    """vLLM's chat form of `/v1/embeddings` and `/pooling`: `messages` is one prompt, the conversation
+    through the model's chat template without the tokenizer's special tokens and without a generation
+    prompt unless asked; its vector equals transformers' for the ids of `apply_chat_template`, and
+    usage counts those ids."""
+    tok = load_tokenizer(tiny_llama)
+    hf = hf_model(tiny_llama)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    lengths = {}
+    for path, generation_prompt in (("/v1/embeddings", False), ("/pooling", True)):
+        text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        resp = http.post(path, json={"model": "emb", "messages": messages, "encoding_format": "float",
+                                     "add_generation_prompt": generation_prompt})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        vector = body["data"][0]["embedding" if path == "/v1/embeddings" else "data"]
+        close(vector, hf_pooled(hf, ids, KIND, True))
+        assert len(body["data"]) == 1 and body["usage"]["prompt_tokens"] == len(ids)
+        lengths[generation_prompt] = len(ids)
+    assert lengths[True] > lengths[False]
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
     ("/v1/embeddings", {"input": []}, "input"),
@@ -170,6 +193,13 @@ def test_openapi_lists_the_pooling_endpoints(http: httpx.Client) -> None:
     ("/v1/embeddings", {"input": "x", "priority": 1}, "priority"),  # passed on: the server schedules fcfs
     ("/score", {"text_1": "a", "text_2": "b", "priority": 1}, "priority"),
     ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {}, "input"),  # neither input nor messages
+    ("/v1/embeddings", {"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input"),  # both
+    ("/v1/embeddings", {"input": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/pooling", {"input": "x", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+                        "continue_final_message": True}, "continue_final_message"),
+    ("/v1/embeddings", {"messages": []}, "messages"),
     ("/v1/embeddings", {"input": [[5] * 65]}, "input"),
     ("/pooling", {"input": "x", "normalize": "yes"}, "normalize"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_2"),

@@ -26,8 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from troupe.errors import InvalidInputError, single_error
+from troupe.inputs import render_chat, tokenize
 from troupe.limits import check_prompts
 from troupe.pooling import PoolerConfig, PoolingParams, PoolingRequestOutput, cosine, score_pairs
+from troupe.server.chat import conversation
 from troupe.server.errors import bad_request
 from troupe.server.pooling_protocol import (
     EmbeddingData,
@@ -109,7 +111,7 @@ async def _tokenized(llm: Any, req: EmbeddingRequest) -> list[Any]:
     """The engine prompts of `req`; with `add_special_tokens: false` its texts tokenized here (a long
     one in a worker thread), since the engine would add them."""
     prompts: list[Any] = req.prompts()
-    if req.add_special_tokens:
+    if req.add_special_tokens is not False:
         return prompts
     tok = llm.get_tokenizer()
     for i, p in enumerate(prompts):
@@ -118,15 +120,37 @@ async def _tokenized(llm: Any, req: EmbeddingRequest) -> list[Any]:
     return prompts
 
 
+async def _chat_prompt(state: Any, llm: Any, req: EmbeddingRequest, messages: list[Any]) -> dict[str, list[int]]:
+    """vLLM's chat form of an embedding request: the conversation through the chat template (the
+    server's `--chat-template` if given), tokenized without the tokenizer's special tokens unless
+    `add_special_tokens` (the template writes its own), a long one in a worker thread."""
+    tok = llm.get_tokenizer()
+    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    limits = state.engine().config.input_limits
+    turns = conversation(messages)
+
+    def ids() -> list[int]:
+        text = render_chat(tok, turns, req.add_generation_prompt, state.settings.chat_template, limits=limits, **kwargs)
+        return tokenize(tok, text, bool(req.add_special_tokens))
+
+    return {"prompt_token_ids": await offload(sum(len(str(m.get("content", ""))) for m in turns), ids)}
+
+
 async def _pool_request(request: Request) -> tuple[EmbeddingRequest, str, list[PoolingRequestOutput] | None]:
     state = server_state(request)
     req = await read_body(request, EmbeddingRequest, state.settings.max_body_bytes)
     model = state.check_model(req.model)
     llm = pooling_engine(state)
-    check_prompts(req.input, state.engine().config.input_limits)
+    req.check_form()
     params = req.pooling_params(req.dimensions, req.normalize)
-    outs = await _encode_all(request, llm, await _tokenized(llm, req), params, request_id(request, req.request_id),
-                             req.priority)
+    if req.messages is not None:
+        prompts = [await _chat_prompt(state, llm, req, req.messages)]
+    else:
+        check_prompts(req.input, state.engine().config.input_limits)
+        prompts = await _tokenized(llm, req)
+    outs = await _encode_all(request, llm, prompts, params, request_id(request, req.request_id), req.priority)
     return req, model, outs
 
 

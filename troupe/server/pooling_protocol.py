@@ -1,7 +1,8 @@
 """The pooling endpoints' request and response bodies (vLLM's / OpenAI's shapes) as msgspec Structs.
 
 `/v1/embeddings` and `/pooling` take `input`: a string, a list of strings, a list of token ids, or a
-list of token-id lists (one prompt each). `/score` takes `text_1` / `text_2`, `/rerank` a `query` and
+list of token-id lists (one prompt each); or, as vLLM's chat form, `messages` (one prompt: the
+conversation through the chat template, `add_generation_prompt` false unless asked). `/score` takes `text_1` / `text_2`, `/rerank` a `query` and
 `documents`. Decoding checks types and ranges: a wrong one is a 400 naming the field.
 """
 
@@ -16,6 +17,7 @@ from msgspec import Meta
 
 from troupe.pooling import PoolingParams
 from troupe.sampling_params import INT64_MAX, INT64_MIN
+from troupe.server.chat import ChatMessage
 from troupe.server.errors import bad_request
 
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -40,11 +42,28 @@ class _PoolingFields(msgspec.Struct, kw_only=True):
 class EmbeddingRequest(_PoolingFields, kw_only=True):
     """`POST /v1/embeddings` (OpenAI's, with vLLM's extras) and `POST /pooling`."""
 
-    input: PoolingInput
+    input: PoolingInput | None = None
+    messages: list[ChatMessage] | None = None  # vLLM's chat form: exactly one of `input` and `messages`
+    add_generation_prompt: bool = False  # chat form only (vLLM's default for embeddings)
+    continue_final_message: bool = False  # chat form only
+    chat_template_kwargs: dict[str, Any] | None = None  # chat form only
     encoding_format: EncodingFormat = "float"
     dimensions: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = None  # Matryoshka models only
     normalize: bool | None = None  # None: the model's pooler decides
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for `input`, false for `messages` (as vLLM)
+
+    def check_form(self) -> None:
+        """Exactly one of `input` and `messages`; the chat-only fields only with `messages`."""
+        if (self.input is None) == (self.messages is None):
+            raise bad_request("input", "give exactly one of `input` and `messages`")
+        if self.messages is None:
+            for name in ("add_generation_prompt", "continue_final_message"):
+                if getattr(self, name):
+                    raise bad_request(name, "applies to `messages` only")
+            if self.chat_template_kwargs is not None:
+                raise bad_request("chat_template_kwargs", "applies to `messages` only")
+        elif self.add_generation_prompt and self.continue_final_message:
+            raise bad_request("continue_final_message", "cannot be combined with add_generation_prompt")
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """One engine prompt per input (a text, or `{"prompt_token_ids": ...}`); an empty one is a 400."""
