@@ -37,7 +37,7 @@ TEXTS = ["The cat sat on the mat.", "Vectors let a search compare meaning.", "Hi
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--model", str(tiny_llama), "--runner", "pooling", "--dtype", "float32", "--kv-cache-dtype", "float32",
             "--max-model-len", "64", "--num-threads", "1", "--in-process", "--served-model-name", "emb",
-            "--pooler-config", '{"pooling_type": "mean"}']
+            "--pooler-config", '{"pooling_type": "mean"}', "--trust-request-chat-template"]
     with ServerProcess(args, tmp_path_factory.mktemp("pooling-server")) as srv:
         yield srv
 
@@ -165,7 +165,7 @@ def test_chat_messages_embed_the_rendered_conversation(http: httpx.Client, tiny_
     """vLLM's chat form of `/v1/embeddings` and `/pooling`: `messages` is one prompt, the conversation
     through the model's chat template without the tokenizer's special tokens and without a generation
     prompt unless asked; its vector equals transformers' for the ids of `apply_chat_template`, and
-    usage counts those ids."""
+    usage counts those ids. A request's own `chat_template` (the server trusts them here) renders it."""
     tok = load_tokenizer(tiny_llama)
     hf = hf_model(tiny_llama)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -182,6 +182,12 @@ def test_chat_messages_embed_the_rendered_conversation(http: httpx.Client, tiny_
         assert len(body["data"]) == 1 and body["usage"]["prompt_tokens"] == len(ids)
         lengths[generation_prompt] = len(ids)
     assert lengths[True] > lengths[False]
+    own = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # the request's own template
+    ids = tok("system: Be brief.\nuser: Name a colour.\n", add_special_tokens=False)["input_ids"]
+    resp = http.post("/v1/embeddings", json={"messages": messages, "chat_template": own, "encoding_format": "float"})
+    assert resp.status_code == 200, resp.text
+    close(resp.json()["data"][0]["embedding"], hf_pooled(hf, ids, KIND, True))
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -197,6 +203,7 @@ def test_chat_messages_embed_the_rendered_conversation(http: httpx.Client, tiny_
     ("/v1/embeddings", {"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input"),  # both
     ("/v1/embeddings", {"input": "x", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/pooling", {"input": "x", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+    ("/v1/embeddings", {"input": "x", "chat_template": "{{ 1 }}"}, "chat_template"),
     ("/v1/embeddings", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
                         "continue_final_message": True}, "continue_final_message"),
     ("/v1/embeddings", {"messages": []}, "messages"),

@@ -48,7 +48,7 @@ from troupe.server.pooling_protocol import (
     ScoreResponse,
     encode_vector,
 )
-from troupe.server.serving import json_response, offload, read_body, request_id, server_state
+from troupe.server.serving import OFFLOAD_CHARS, json_response, offload, read_body, request_id, server_state
 from troupe.server.sse import cancel_on_disconnect
 from troupe.server.state import ServerState
 
@@ -122,8 +122,13 @@ async def _tokenized(llm: Any, req: EmbeddingRequest) -> list[Any]:
 
 async def _chat_prompt(state: Any, llm: Any, req: EmbeddingRequest, messages: list[Any]) -> dict[str, list[int]]:
     """vLLM's chat form of an embedding request: the conversation through the chat template (the
-    server's `--chat-template` if given), tokenized without the tokenizer's special tokens unless
-    `add_special_tokens` (the template writes its own), a long one in a worker thread."""
+    request's own where the server trusts it, else the server's `--chat-template` if given, else the
+    model's), tokenized without the tokenizer's special tokens unless `add_special_tokens` (the
+    template writes its own), in a worker thread when long or when the template is the request's."""
+    if req.chat_template is not None and not state.settings.trust_request_chat_template:
+        raise bad_request("chat_template", "a request's own chat_template needs `troupe serve "
+                                           "--trust-request-chat-template`")
+    template = req.chat_template if req.chat_template is not None else state.settings.chat_template
     tok = llm.get_tokenizer()
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if req.continue_final_message:
@@ -132,10 +137,11 @@ async def _chat_prompt(state: Any, llm: Any, req: EmbeddingRequest, messages: li
     turns = conversation(messages)
 
     def ids() -> list[int]:
-        text = render_chat(tok, turns, req.add_generation_prompt, state.settings.chat_template, limits=limits, **kwargs)
+        text = render_chat(tok, turns, req.add_generation_prompt, template, limits=limits, **kwargs)
         return tokenize(tok, text, bool(req.add_special_tokens))
 
-    return {"prompt_token_ids": await offload(sum(len(str(m.get("content", ""))) for m in turns), ids)}
+    size = OFFLOAD_CHARS + 1 if req.chat_template is not None else sum(len(str(m.get("content", ""))) for m in turns)
+    return {"prompt_token_ids": await offload(size, ids)}
 
 
 async def _pool_request(request: Request) -> tuple[EmbeddingRequest, str, list[PoolingRequestOutput] | None]:

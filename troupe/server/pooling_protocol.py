@@ -47,6 +47,7 @@ class EmbeddingRequest(_PoolingFields, kw_only=True):
     add_generation_prompt: bool = False  # chat form only (vLLM's default for embeddings)
     continue_final_message: bool = False  # chat form only
     chat_template_kwargs: dict[str, Any] | None = None  # chat form only
+    chat_template: str | None = None  # chat form only; needs `troupe serve --trust-request-chat-template`
     encoding_format: EncodingFormat = "float"
     dimensions: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = None  # Matryoshka models only
     normalize: bool | None = None  # None: the model's pooler decides
@@ -60,8 +61,9 @@ class EmbeddingRequest(_PoolingFields, kw_only=True):
             for name in ("add_generation_prompt", "continue_final_message"):
                 if getattr(self, name):
                     raise bad_request(name, "applies to `messages` only")
-            if self.chat_template_kwargs is not None:
-                raise bad_request("chat_template_kwargs", "applies to `messages` only")
+            for name in ("chat_template_kwargs", "chat_template"):
+                if getattr(self, name) is not None:
+                    raise bad_request(name, "applies to `messages` only")
         elif self.add_generation_prompt and self.continue_final_message:
             raise bad_request("continue_final_message", "cannot be combined with add_generation_prompt")
 
