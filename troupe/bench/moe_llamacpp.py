@@ -30,7 +30,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from troupe.bench.harness import _cpu_name
-from troupe.bench.peers import PEERS_HOME, WorkerError, peer_env, stop_group, troupe_env
+from troupe.bench.peers import PEERS_HOME, WorkerError, peer_env, troupe_env
 from troupe.bench.report import Report
-from troupe.bench.rss import TreeSampler
-from troupe.bench.serving import SERVED_NAME, free_port, troupe_serve_cmd, wait_healthy
+from troupe.bench.serving import SERVED_NAME, free_port, served, troupe_serve_cmd
 from troupe.kernels.quant import QType
 from troupe.models.moe_gguf import MoeShape, make_moe_gguf
 
@@ -198,22 +196,14 @@ def serve_and_measure(cmd: list[str], port: int, extra: dict[str, Any], env: dic
                       args: argparse.Namespace, single: list[int], batch: list[list[int]]) -> dict[str, float]:
     """Start the server `cmd`, measure it, stop it (its whole process group); figures plus peak RSS."""
     url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        spawned = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-    try:
-        with TreeSampler(proc.pid, group=proc.pid) as sampler:
-            ready = wait_healthy(url, proc, args.startup_timeout, log)
-            client = Client(url, extra, args.request_timeout)
-            try:
-                figures = measure(client, single, batch, args.gen_tokens, args.single_repeats)
-            finally:
-                client.close()
-    finally:
-        stop_group(proc, grace=60.0)
+    with served(cmd, url, env, log, args.startup_timeout) as (ready_s, sampler):
+        client = Client(url, extra, args.request_timeout)
+        try:
+            figures = measure(client, single, batch, args.gen_tokens, args.single_repeats)
+        finally:
+            client.close()
     peak = sampler.peak.rss_bytes
-    return {**figures, "serve_ready_s": ready - spawned, **({"rss_serve_gib": peak / GIB} if peak else {})}
+    return {**figures, "serve_ready_s": ready_s, **({"rss_serve_gib": peak / GIB} if peak else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

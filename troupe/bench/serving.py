@@ -11,10 +11,12 @@ tree meanwhile, and stops it (SIGTERM, then SIGKILL to whatever is left of its g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,23 @@ def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float, log: Pat
     raise WorkerError(f"the server was not ready after {timeout:.0f} s; its output ends:\n{log_tail(log)}")
 
 
+@contextlib.contextmanager
+def served(cmd: list[str], url: str, env: dict[str, str], log: Path,
+           startup_timeout: float) -> Iterator[tuple[float, TreeSampler]]:
+    """Start the server `cmd` in a new session (its output to `log`), wait until `url`/health answers;
+    yields (seconds from process start to ready, the sampler of its process tree); on leaving, the
+    sampler stops (its `peak` stays readable) and the whole process group is stopped."""
+    with open(log, "wb") as out:
+        spawned = time.time()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        with TreeSampler(proc.pid, group=proc.pid) as sampler:
+            yield wait_healthy(url, proc, startup_timeout, log) - spawned, sampler
+    finally:
+        stop_group(proc, grace=60.0)
+
+
 def serve_once(cmd: list[str], port: int, *, env: dict[str, str], workdir: Path, tag: str,
                clients: int, requests: int, max_tokens: int, prompt_words: int,
                startup_timeout: float) -> ServeRun:
@@ -96,18 +115,10 @@ def serve_once(cmd: list[str], port: int, *, env: dict[str, str], workdir: Path,
     log = workdir / f"{tag}.log"
     args = argparse.Namespace(clients=clients, requests=requests, max_tokens=max_tokens,
                               prompt_words=prompt_words, api_key=None, served_model=SERVED_NAME)
-    with open(log, "wb") as out:
-        spawned = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-    try:
-        with TreeSampler(proc.pid, group=proc.pid) as sampler:
-            ready = wait_healthy(url, proc, startup_timeout, log)
-            figures = anyio.run(load.run, url, args)
-    finally:
-        stop_group(proc, grace=60.0)
+    with served(cmd, url, env, log, startup_timeout) as (ready_s, sampler):
+        figures = anyio.run(load.run, url, args)
     expected = requests * max_tokens
     if figures["output_tokens"] != expected:
         raise WorkerError(f"{tag}: {figures['output_tokens']} tokens streamed, {expected} expected "
                           f"({requests} requests x {max_tokens}, ignore_eos)")
-    return ServeRun(figures=figures, ready_s=ready - spawned, peak=sampler.peak, log=log)
+    return ServeRun(figures=figures, ready_s=ready_s, peak=sampler.peak, log=log)
