@@ -28,9 +28,9 @@ from factories import engine_greedy, transformers_greedy
 from troupe.config import EngineConfig
 from troupe.errors import ModelLoadError
 from troupe.kernels.cpu import build
-from troupe.models.default_model import find_default_gguf
 from troupe.models.gguf_config import gguf_config
 from troupe.models.gguf_file import GGUFFile
+from troupe.models.tiny import add_default_tokenizer
 
 NEW_TOKENS = 6
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -156,13 +156,7 @@ def write_gguf(model: Any, arch: str, fmt: str, path: Path) -> Path:
                 cfg.original_max_position_embeddings))))
             writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    with GGUFFile(find_default_gguf()) as src:
-        meta = src.metadata
-    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    add_default_tokenizer(writer)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
 

@@ -139,7 +139,6 @@ def make_tiny_gguf(
     from safetensors.torch import load_file, save_file
 
     from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
-    from troupe.models.gguf_file import GGUFFile
 
     out = Path(path)
     hf = make_tiny_model(out / "hf", arch=arch, seed=seed, **model_options)
@@ -157,13 +156,7 @@ def make_tiny_gguf(
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_rope_dimension_count(cfg["head_dim"])
     writer.add_vocab_size(cfg["vocab_size"])
-    with GGUFFile(find_default_gguf()) as src:
-        meta = src.metadata
-    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    meta = add_default_tokenizer(writer)
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0])
     writer.add_pad_token_id(cfg["pad_token_id"])
@@ -210,6 +203,21 @@ def make_tiny_gguf(
     writer.close()
     save_file(exact, hf / "model.safetensors", metadata={"format": "pt"})
     return out / "model.gguf", hf
+
+
+def add_default_tokenizer(writer: Any) -> dict[str, Any]:
+    """Write the default model's GGUF tokenizer (model, pre-tokenizer, tokens, merges, types) into a
+    `gguf.GGUFWriter`: the tiny GGUFs share its vocabulary. Returns that GGUF's metadata."""
+    from troupe.models.gguf_file import GGUFFile
+
+    with GGUFFile(find_default_gguf()) as src:
+        meta = src.metadata
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    return dict(meta)
 
 
 def _llama3_rope_factors(head_dim: int, theta: float, sc: dict[str, Any]) -> Any:
