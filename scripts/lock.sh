@@ -13,10 +13,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 pip="$work/venv/bin/pip"
-"$pip" install -q torch==2.13.0
+"$pip" install -q torch==2.13.0 uv
 "$pip" install -q -e '.[test,ray]'
 {
-    echo "# The lock of the README's test command: pip installs the test toolchain with -c constraints.txt."
+    echo "# The lock of the README's test command: pip and uv install the test toolchain with -c constraints.txt."
     echo "# Made by 'bash scripts/lock.sh' ($("$work/venv/bin/python" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])'), $(uname -m)); do not edit by hand."
     "$pip" freeze --exclude-editable --all | grep -v -E '^(pip|setuptools|wheel)==' | LC_ALL=C sort -f
 } > constraints.txt.new

@@ -29,6 +29,33 @@ def test_readme_has_both_examples() -> None:
     assert set(examples()) == {"async", "offline"}
 
 
+def test_ci_runs_the_readme_test_command_on_the_locked_toolchain() -> None:
+    """`.ci/run` runs the README's test command, and the environment running this test holds every
+    package of `constraints.txt` at its locked version (so a pass here is a pass on the lock)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    root = README.parent
+    readme_cmds = re.findall(r"```bash\n(.*?)\n```", README.read_text(), flags=re.S)
+    ci_cmd = (root / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci_cmd in readme_cmds, ci_cmd
+    assert "-c constraints.txt" in ci_cmd and "pytest" in ci_cmd
+    locked = [
+        line.split("==")
+        for line in (root / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert len(locked) > 50
+    off = {}
+    for name, want in locked:
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = None
+        if have != want:
+            off[name] = (want, have)
+    assert not off, off
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["async", "offline"])
 def test_readme_example_runs(name: str, tmp_path: Path) -> None:
