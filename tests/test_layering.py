@@ -1,7 +1,7 @@
 """The package's layering, read from the source: no import cycle between troupe's modules, and the
-layers import one way only: core -> engine -> process -> actors -> facades -> server / cli / bench
-(the concept modules at the top level, output, models and kernels sit below them all); and no
-production module imports a test helper: tests step in only through the hook points (troupe.hooks)."""
+layers import one way only: core -> process -> engine -> engine_side -> actors -> facades -> server /
+cli / bench (the concept modules at the top level, output, models and kernels sit below them all); and
+no production module imports a test helper: tests step in only through the hook points (troupe.hooks)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from support.import_graph import cycles, import_graph, imported_names, modules
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["troupe.core", "troupe.engine", "troupe.process", "troupe.actors", "troupe.facades",
+LAYERS = ["troupe.core", "troupe.process", "troupe.engine", "troupe.engine_side", "troupe.actors", "troupe.facades",
           ("troupe.server", "troupe.cli", "troupe.bench")]
 TEST_HELPERS = ("troupe.testing", "support", "tests", "conftest", "factories", "engines")
 

@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return serve(args, engine_options(args))
         elif args.command == "engine":
-            from troupe.process.engine_main import run_headless_engine
+            from troupe.engine.child import run_headless_engine
 
             if args.rank < 0:
                 raise ValueError(f"--rank: must be >= 0, got {args.rank}")

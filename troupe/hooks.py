@@ -10,7 +10,7 @@ the layering test forbids importing the test helpers from the package.
 
 The points, in the order they run:
 
-1. `before_actor(engine_index)`: a Ray engine actor's constructor (troupe.process.ray_engines).
+1. `before_actor(engine_index)`: a Ray engine actor's constructor (troupe.engine_side.ray_engine).
 2. `before_build()`: where the engine is built (a worker thread, an engine process, a Ray worker),
    before it is (troupe.engine.build).
 3. `after_build(core)`: the built `EngineCore`, before it serves; a plugin may wrap its parts.

@@ -1,7 +1,8 @@
 """The engine-core actor on its streams, with a scripted core instead of an EngineCore (no model, no
 engine process): what reaches the outbox for each inbox message, that adds and aborts are taken in
 while a step runs, a request's failing add as that request's error, a failing step as `EngineDead`,
-and the end of the inbox as the actor's end."""
+the end of the inbox as the actor's end, and `EngineShutdown` (the engine process's stop, in the
+same stream) as its end after the step in flight."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from anyio import wait_all_tasks_blocked
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from factories import add_request
 
+from troupe.config import EngineConfig
 from troupe.engine.core_actor import EngineCoreActor
 from troupe.errors import InvalidInputError
 from troupe.messages import (
@@ -23,12 +25,12 @@ from troupe.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineDead,
-    EngineInput,
     EngineOutput,
     FinishReason,
     UtilityCall,
     UtilityResult,
 )
+from troupe.process.protocol import EngineShutdown, EngineStart, ToEngine
 
 
 class ScriptedCore:
@@ -90,7 +92,7 @@ class Actor:
     """The actor running on a scripted core; the test holds the inbox's send end and the outbox's
     receive end."""
 
-    def __init__(self, core: ScriptedCore, inbox: MemoryObjectSendStream[EngineInput],
+    def __init__(self, core: ScriptedCore, inbox: MemoryObjectSendStream[ToEngine],
                  outbox: MemoryObjectReceiveStream[EngineOutput], actor: EngineCoreActor) -> None:
         self.core, self.inbox, self.outbox, self.actor = core, inbox, outbox, actor
         self.ended = anyio.Event()
@@ -111,7 +113,7 @@ class Actor:
 
 @asynccontextmanager
 async def running(core: ScriptedCore) -> AsyncIterator[Actor]:
-    to_actor, inbox = anyio.create_memory_object_stream[EngineInput](16)
+    to_actor, inbox = anyio.create_memory_object_stream[ToEngine](16)
     outbox, from_actor = anyio.create_memory_object_stream[EngineOutput](16)
     actor = EngineCoreActor(core, inbox, outbox, engine_index=3)  # type: ignore[arg-type]
     handle = Actor(core, to_actor, from_actor, actor)
@@ -121,7 +123,7 @@ async def running(core: ScriptedCore) -> AsyncIterator[Actor]:
         handle.ended.set()
 
     with anyio.fail_after(10):
-        async with to_actor, from_actor, anyio.create_task_group() as tg:
+        async with to_actor, inbox, from_actor, anyio.create_task_group() as tg:
             tg.start_soon(run)
             yield handle
             core.release.set()
@@ -210,5 +212,28 @@ async def test_a_failing_step_is_engine_dead_and_the_actor_stops() -> None:
         assert dead.reason == "RuntimeError: scripted step failure"
         await a.ended.wait()
         assert a.actor.failed and core.steps == 2
+        with pytest.raises(anyio.EndOfStream):
+            await a.outbox.receive()
+
+
+async def test_shutdown_ends_the_actor_after_the_step_in_flight() -> None:
+    """`EngineShutdown` in the inbox (an engine process's actor reads the bridge's stream) ends the
+    actor once the step in flight is done, with its request still running and the inbox still open;
+    a late `EngineStart` is dropped, and the add queued behind the shutdown is never applied."""
+    core = ScriptedCore(hold_step=1)
+    async with running(core) as a:
+        await a.inbox.send(add_request("a", max_tokens=100))
+        await anyio.to_thread.run_sync(core.holding.wait, 10)
+        await a.inbox.send(EngineStart(EngineConfig(model="unused")))
+        await a.inbox.send(EngineShutdown())
+        await a.inbox.send(add_request("late", max_tokens=1))
+        await wait_all_tasks_blocked()
+        assert not a.ended.is_set()  # step 1 still runs
+        core.release.set()
+        await a.ended.wait()
+        step = await a.outbox.receive()
+        assert isinstance(step, EngineCoreOutputs) and [o.request_id for o in step.outputs] == ["a"]
+        assert core.steps == 1 and core.running == {"a": 99} and not a.actor.failed
+        assert a.actor.statistics().pending == 0
         with pytest.raises(anyio.EndOfStream):
             await a.outbox.receive()

@@ -15,6 +15,7 @@ from factories import add_request as add
 from troupe import InvalidInputError
 from troupe.actors.dp_balancer import DPBalancer, aggregate_stats, combine_results
 from troupe.config import EngineConfig
+from troupe.engine.child import default_threads
 from troupe.messages import (
     AbortRequest,
     EngineCoreOutputs,
@@ -25,7 +26,6 @@ from troupe.messages import (
     UtilityCall,
     UtilityResult,
 )
-from troupe.process.engine_main import default_threads
 from troupe.process.launch import rank_address
 
 

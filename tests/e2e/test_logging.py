@@ -107,7 +107,7 @@ def test_importing_troupe_configures_nothing_and_a_program_keeps_control() -> No
         import io, logging, structlog
         root = logging.getLogger()
         before = (list(root.handlers), root.level, structlog.is_configured(), structlog.get_config())
-        import troupe, troupe.log, troupe.actors.graph, troupe.facades.llm, troupe.process.engine_main
+        import troupe, troupe.log, troupe.actors.graph, troupe.facades.llm, troupe.engine.child
         import troupe.actors.stats_logger, troupe.server
         after = (list(root.handlers), root.level, structlog.is_configured(), structlog.get_config())
         assert before == after, (before, after)

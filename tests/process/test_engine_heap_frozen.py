@@ -1,4 +1,4 @@
-"""`engine_main.startup_heap_frozen`: what is alive when an engine starts serving leaves the cyclic collector's
+"""`troupe.engine.child.startup_heap_frozen`: what is alive when an engine starts serving leaves the cyclic collector's
 generations until the engine stops; garbage from before is collected, not frozen; the way out unfreezes,
 also when serving fails."""
 
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from troupe.process.engine_main import startup_heap_frozen
+from troupe.engine.child import startup_heap_frozen
 
 
 class _Node:

@@ -15,7 +15,7 @@ import torch
 
 from troupe import AsyncLLM, SamplingParams
 from troupe.config import EngineConfig
-from troupe.engine.build import EngineReady
+from troupe.engine_side.engine_process import EngineProcess
 from troupe.errors import EngineStartupError, InvalidInputError
 from troupe.inputs import ModelLimits
 from troupe.messages import (
@@ -32,9 +32,8 @@ from troupe.messages import (
 )
 from troupe.pooling import PoolerConfig, PoolingParams
 from troupe.process.bridge import Bridge, engine_identity
-from troupe.process.client import EngineProcess
 from troupe.process.codec import FrameDecoder, FrameEncoder, reject_input, reject_output
-from troupe.process.protocol import EngineShutdown, FromEngine, ToEngine
+from troupe.process.protocol import EngineReady, EngineShutdown, FromEngine, ToEngine
 
 GOOD = AddRequest("good", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 3)
 BAD_ADD = AddRequest("bad", ["not", "ints"], SamplingParams(), 4)  # type: ignore[list-item]  # encodes, fails validation
@@ -110,12 +109,12 @@ async def test_bridges_carry_messages_and_answer_bad_frames(tmp_path: Path) -> N
     f_out_send, f_out_recv = anyio.create_memory_object_stream[FromEngine](8)
     e_in_send, e_in_recv = anyio.create_memory_object_stream[FromEngine](8)
     e_out_send, e_out_recv = anyio.create_memory_object_stream[ToEngine](8)
-    frontend = Bridge(address, bind=True, identity=engine_identity(0), inbox=f_in_recv, outbox=f_out_send,
+    frontend = Bridge(address, bind=True, identity=engine_identity(0), inbox=f_in_recv, deliver=f_out_send.send,
                       decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output)
-    engine = Bridge(address, bind=False, identity=engine_identity(0), inbox=e_in_recv, outbox=e_out_send,
+    engine = Bridge(address, bind=False, identity=engine_identity(0), inbox=e_in_recv, deliver=e_out_send.send,
                     decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input)
     with anyio.fail_after(10):
-        async with frontend, engine, f_in_send, f_out_recv, e_in_send, e_out_recv:
+        async with frontend, engine, f_in_send, f_out_send, f_out_recv, e_in_send, e_out_send, e_out_recv:
             assert os.listdir(tmp_path) == ["e0"]
             await e_in_send.send(EngineDead("hello first"))  # the engine speaks first: the ROUTER learns it
             assert await f_out_recv.receive() == EngineDead("hello first")
@@ -140,7 +139,7 @@ async def test_a_connection_to_itself_is_noticed() -> None:
     def dealer(address: str) -> tuple[Bridge[FromEngine, ToEngine], Any]:
         out_send, out_recv = anyio.create_memory_object_stream[ToEngine](8)
         in_send, in_recv = anyio.create_memory_object_stream[FromEngine](8)
-        bridge = Bridge(address, bind=False, identity=engine_identity(0), inbox=in_recv, outbox=out_send,
+        bridge = Bridge(address, bind=False, identity=engine_identity(0), inbox=in_recv, deliver=out_send.send,
                         decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input, watch_connection=True)
         return bridge, (out_send, out_recv, in_send, in_recv)
 
@@ -154,10 +153,10 @@ async def test_a_connection_to_itself_is_noticed() -> None:
     f_in_send, f_in_recv = anyio.create_memory_object_stream[ToEngine](8)
     f_out_send, f_out_recv = anyio.create_memory_object_stream[FromEngine](8)
     frontend = Bridge(f"tcp://127.0.0.1:{port}", bind=True, identity=engine_identity(0), inbox=f_in_recv,
-                      outbox=f_out_send, decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output)
+                      deliver=f_out_send.send, decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output)
     normal, streams = dealer(f"tcp://127.0.0.1:{port}")
     with anyio.fail_after(10):
-        async with frontend, normal, f_in_send, f_out_recv:
+        async with frontend, normal, f_in_send, f_out_send, f_out_recv:
             await normal.connected.wait()
             assert not normal.looped.is_set()
     for stream in streams:

@@ -1,5 +1,5 @@
 """`data_parallel_backend` and the `ray_*` options at the edge (no Ray cluster needed), Ray missing
-(its import blocked), and the pure placement helpers of troupe.process.ray_placement."""
+(its import blocked), and the pure placement helpers of troupe.engine_side.ray_placement."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import pytest
 
 from troupe import AsyncLLM
 from troupe.config import EngineConfig
-from troupe.errors import EngineStartupError, InvalidInputError
-from troupe.process.ray_placement import (
+from troupe.engine_side.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
     fits_a_node,
@@ -25,6 +24,7 @@ from troupe.process.ray_placement import (
     rank_resources,
     unplaced_reason,
 )
+from troupe.errors import EngineStartupError, InvalidInputError
 
 
 @pytest.mark.parametrize(("options", "field", "message"), [

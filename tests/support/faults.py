@@ -27,7 +27,7 @@ Grammar of the items: comma-separated `name=value`.
 - `fail_after_tokens=K` (with either of the two above): the request fails on its (K+1)-th token
   instead of its first, so a stream has started (default 0).
 - `fail_actor_init=MESSAGE`: a Ray engine actor's constructor raises `RuntimeError(MESSAGE)`
-  (troupe.process.ray_engines; the `engine=R` filter applies).
+  (troupe.engine_side.ray_engine; the `engine=R` filter applies).
 - `engine=R`: the step faults, `fail_sampling` and `fail_actor_init` apply to data-parallel rank R
   only (default: every engine).
 

@@ -7,7 +7,7 @@
                                              |--AbortRequest (stop strings)--> engine side
 ```
 
-The engine side (troupe.actors.engine_side) is the EngineCore in its own process behind a ZMQ
+The engine side (troupe.engine_side) is the EngineCore in its own process behind a ZMQ
 bridge (`multiprocess=True`, the default) or in this one; it takes the same two stream ends either
 way, and nothing else here knows which.
 
@@ -16,7 +16,7 @@ engine is ready, or raises `EngineStartupError`), loads the tokenizer from the m
 engine reports, then starts the frontend actors. Leaving it aborts what is still running (each
 stream ends with finish_reason "abort"), closes the submission stream and cancels the actors' task
 group: an in-process step in flight finishes first; an engine process is stopped (see
-troupe.process.client).
+troupe.engine_side.engine_process).
 
 Facades use the graph through its port (troupe.actors.port.FrontendPort: submit, abort, utility calls,
 health, statistics); the request table (`RequestTable`) is the graph's own, and each actor gets a
@@ -47,7 +47,6 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from troupe.actors.dp_balancer import DPBalancer
-from troupe.actors.engine_side import EngineSide, make_engine_side
 from troupe.actors.engine_stats import EngineStats
 from troupe.actors.input_processor import FrontendInput, InputProcessor, Submission
 from troupe.actors.output_handler import OutputHandler
@@ -56,12 +55,14 @@ from troupe.actors.requests import RequestStream, RequestTable
 from troupe.actors.stats_logger import StatsLogger
 from troupe.actors.streams import GraphStreams, TokenizerPrefetch
 from troupe.config import EngineConfig
-from troupe.engine.build import EngineReady, MakeCore
+from troupe.engine.build import MakeCore
+from troupe.engine_side import EngineSide, make_engine_side
 from troupe.errors import EngineDeadError, EngineStartupError, first_startup_error
 from troupe.hooks import load as load_hooks
 from troupe.inputs import ModelLimits
 from troupe.limits import InputLimits
 from troupe.messages import AbortRequest, SchedulerStats, UtilityCall
+from troupe.process.protocol import EngineReady
 
 log = structlog.get_logger("troupe.graph")
 GRAPH = "graph"  # its lines name the actor explicitly: the graph runs in its caller's task, whose

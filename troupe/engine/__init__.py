@@ -1,7 +1,7 @@
-"""What runs an EngineCore, wherever it runs (a worker thread of the frontend, an engine process, a
-Ray actor): building it (`build`) and the engine-core actor that steps it (`core_actor`).
+"""What runs beside the model, wherever it runs (a worker thread of the frontend, an engine process, a
+Ray actor): building the EngineCore (`build`), the engine-core actor that steps it (`core_actor`) and the
+engine process's main (`child`: spawned, or headless with `troupe engine --connect`).
 
-The layering is one way: core -> engine -> process -> actors -> facades -> server / cli. The engine
-process (troupe.process.engine_main) and the in-process engine side (troupe.actors.engine_side)
-both build a core and report it ready through this package; neither imports the other.
+The layering is one way: core -> process (the wire) -> engine -> engine_side (the frontend's sides of
+an engine) -> actors -> facades -> server / cli.
 """

@@ -1,5 +1,5 @@
 """Building an EngineCore and describing it to the frontend: shared by the in-process engine side
-(troupe.actors.engine_side) and the engine process (troupe.process.engine_main).
+(troupe.engine_side) and the engine process (troupe.engine.child).
 
 `build_core` runs the config's hook points around the build (troupe.hooks: no-ops unless a plugin is
 named, as tests' fault injection does) and turns any failure into
@@ -14,28 +14,15 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from troupe.config import EngineConfig
 from troupe.errors import EngineStartupError
 from troupe.hooks import load as load_hooks
-from troupe.inputs import ModelLimits
+from troupe.process.protocol import EngineReady
 
 if TYPE_CHECKING:
     from troupe.core.engine_core import EngineCore
 
 MakeCore = Callable[[EngineConfig], "EngineCore"]
-
-
-class EngineReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
-    """The engine is ready; also what an in-process engine reports (`pid` is then this process)."""
-
-    engine_index: int
-    pid: int
-    limits: ModelLimits
-    model_path: str  # the resolved model folder: the frontend loads its tokenizer from there
-    num_blocks: int
-    block_size: int
 
 
 def build_core(config: EngineConfig, make_core: MakeCore | None = None, engine_index: int = 0) -> EngineCore:

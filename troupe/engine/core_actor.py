@@ -1,15 +1,19 @@
 """The engine-core actor: runs an `EngineCore`, stepping in a worker thread.
 
-Inbox:    `EngineInput` (AddRequest, AbortRequest, UtilityCall) from the frontend.
+Inbox:    `EngineInput` (AddRequest, AbortRequest, UtilityCall) from the frontend; in an engine process
+          the bridge's stream itself (`ToEngine`), so also `EngineShutdown` (stop: below) and a
+          late `EngineStart` (logged and dropped). The actor reads it and never closes it: the
+          stream's owner does (after a failure, the engine process reads on until it is told to stop).
 Outbox:   `EngineOutput`: one `EngineCoreOutputs` per step, `UtilityResult`s, and `EngineDead`
           if the engine fails (then the actor stops stepping). A failure that belongs to one
           request (its add raising, or anything `EngineCore.step` pins on it) is that request's
           error output instead, and the engine goes on.
 Owns:     the EngineCore (not thread-safe: it is only touched by one task at a time, either the
           step thread or, between steps, the event loop).
-Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are done; cancelling
-          its task group waits for the step in flight (a thread cannot be interrupted). After
-          `EngineDead` the actor returns (its inbox closes).
+Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are done;
+          `EngineShutdown` ends it after the step in flight, whatever is still running (the
+          frontend aborted or gave up on it); cancelling its task group waits for the step in flight
+          (a thread cannot be interrupted). After `EngineDead` the actor returns.
 
 The inbox reader never waits for the model: messages are queued in `_pending` while a step runs
 and applied between steps, so adds and aborts keep flowing during a forward pass.
@@ -47,6 +51,7 @@ from troupe.messages import (
     UtilityCall,
     UtilityResult,
 )
+from troupe.process.protocol import EngineShutdown, EngineStart, ToEngine
 
 if TYPE_CHECKING:
     from troupe.core.engine_core import EngineCore  # torch: the engine process says hello before importing it
@@ -64,7 +69,7 @@ class EngineActorStats(NamedTuple):
 
 
 class EngineCoreActor:
-    def __init__(self, core: EngineCore, inbox: MemoryObjectReceiveStream[EngineInput],
+    def __init__(self, core: EngineCore, inbox: MemoryObjectReceiveStream[ToEngine],
                  outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0) -> None:
         self.core = core
         self._inbox = inbox
@@ -73,6 +78,7 @@ class EngineCoreActor:
         self._pending: list[EngineInput] = []
         self._wakeup = anyio.Event()
         self._inbox_closed = False
+        self._shutdown = False  # EngineShutdown read: stop after the step in flight
         self._steps = 0
         self.failed = False  # set once EngineDead was sent
 
@@ -89,18 +95,27 @@ class EngineCoreActor:
                 tg.cancel_scope.cancel()
 
     async def _read_inbox(self) -> None:
-        async with self._inbox:
-            async for msg in self._inbox:
-                if trace_enabled() and isinstance(msg, AddRequest):
-                    trace(log, "request received", request_id=msg.external_id, internal_id=msg.request_id,
-                          step=self._steps + 1)
-                self._pending.append(msg)
-                self._wakeup.set()
+        async for msg in self._inbox:
+            match msg:
+                case AddRequest() | AbortRequest() | UtilityCall():
+                    if trace_enabled() and isinstance(msg, AddRequest):
+                        trace(log, "request received", request_id=msg.external_id, internal_id=msg.request_id,
+                              step=self._steps + 1)
+                    self._pending.append(msg)
+                case EngineShutdown():
+                    self._shutdown = True
+                    break
+                case EngineStart():
+                    log.warning("EngineStart after start-up ignored")
+                    continue
+                case _:
+                    assert_never(msg)
+            self._wakeup.set()
         self._inbox_closed = True
         self._wakeup.set()
 
     async def _step_loop(self, core: EngineCore) -> None:
-        while True:
+        while not self._shutdown:
             structlog.contextvars.bind_contextvars(step=self._steps + 1)
             await self._apply_pending(core)
             if not core.has_unfinished_requests():

@@ -2,9 +2,12 @@
 
 Inbox:    messages to send (`S`) from a memory stream; each is encoded (troupe.process.codec) and
           sent as one multipart message. `send()` sends one message outside the pump (a goodbye).
-Outbox:   messages received (`R`), decoded and validated, to a memory stream. A frame that does
-          not decode is logged and given to `on_bad_frame`, whose answers go back to the peer
-          and/or to the outbox (per-request errors); it never stops the bridge.
+Delivery: messages received (`R`), decoded and validated, go to the owner's `deliver` coroutine,
+          awaited in arrival order before the next frame is read (its waiting is the back-pressure):
+          a memory stream's `hand_over` where a task reads them (the engine-core actor), or the
+          owner's own routing (the frontend's engine process side: straight to the graph). A frame
+          that does not decode is logged and given to `on_bad_frame`, whose answers go back to the
+          peer and/or to `deliver` (per-request errors); it never stops the bridge.
 Owns:     a zmq.asyncio context and one socket. Frontend: a ROUTER bound at the address, talking
           to one engine identity (SNDHWM=0, so a message to a live engine is never dropped; one to
           an engine that is gone is dropped silently, and the process monitor reports the death).
@@ -32,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Generic, NamedTuple, TypeVar
 
@@ -40,9 +43,8 @@ import anyio
 import structlog
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
-from troupe.handoff import hand_over
 from troupe.process.codec import Buffer, FrameDecoder, FrameEncoder
 
 log = structlog.get_logger("troupe.bridge")
@@ -67,7 +69,7 @@ def engine_identity(engine_index: int) -> bytes:
 
 class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
     def __init__(self, address: str, *, bind: bool, identity: bytes,
-                 inbox: MemoryObjectReceiveStream[S], outbox: MemoryObjectSendStream[R],
+                 inbox: MemoryObjectReceiveStream[S], deliver: Callable[[R], Awaitable[None]],
                  decoder: FrameDecoder[R], on_bad_frame: OnBadFrame[S, R], watch_connection: bool = False) -> None:
         """`bind=True`: a ROUTER bound at `address` whose peer is `identity`; else a DEALER that
         connects to `address` as `identity`."""
@@ -75,7 +77,7 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
         self._bind = bind
         self._identity = identity
         self._inbox = inbox
-        self._outbox = outbox
+        self._deliver = deliver
         self._decoder = decoder
         self._encoder = FrameEncoder()
         self._on_bad_frame = on_bad_frame
@@ -180,24 +182,23 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
     async def _recv_pump(self) -> None:
         assert self._socket is not None
         sock = self._socket
-        async with self._outbox:
-            while True:
-                parts = await sock.recv_multipart(copy=False)
-                if self._bind and parts[0].bytes != self._identity:  # not our engine: not ours to read
-                    self._bad += 1
-                    log.error("frame from an unknown peer dropped", peer=parts[0].bytes.hex())
-                    continue
-                frames = [p.buffer for p in parts[len(self._prefix):]]
-                try:
-                    msg = self._decoder.decode(frames)
-                except Exception as exc:  # DecodeError, ValidationError, a bad tensor reference: the edge
-                    await self._reject(frames[0] if frames else b"", exc)
-                    continue
-                self._received += 1
-                try:
-                    await hand_over(self._outbox, msg)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return  # nobody listens any more: shutting down
+        while True:
+            parts = await sock.recv_multipart(copy=False)
+            if self._bind and parts[0].bytes != self._identity:  # not our engine: not ours to read
+                self._bad += 1
+                log.error("frame from an unknown peer dropped", peer=parts[0].bytes.hex())
+                continue
+            frames = [p.buffer for p in parts[len(self._prefix):]]
+            try:
+                msg = self._decoder.decode(frames)
+            except Exception as exc:  # DecodeError, ValidationError, a bad tensor reference: the edge
+                await self._reject(frames[0] if frames else b"", exc)
+                continue
+            self._received += 1
+            try:
+                await self._deliver(msg)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # nobody listens any more: shutting down
 
     async def _reject(self, header: Buffer, exc: Exception) -> None:
         self._bad += 1
@@ -206,7 +207,7 @@ class Bridge(anyio.AsyncContextManagerMixin, Generic[S, R]):
         for reply in replies:
             await self.send(reply)
         for msg in local:
-            await self._outbox.send(msg)
+            await self._deliver(msg)
 
 
 def _connected_to_itself(fd: int) -> bool:

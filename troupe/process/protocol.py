@@ -4,7 +4,7 @@ The engine boundary's own messages (`EngineInput`, `EngineOutput` in troupe/mess
 they are. The process adds, on the same socket:
 
 - engine -> frontend: `EngineHello` as soon as the engine's socket is connected (before torch is
-  imported), then exactly one of `EngineReady` (troupe.engine.build: what the frontend needs: limits,
+  imported), then exactly one of `EngineReady` (what the frontend needs: limits,
   model path, KV blocks) or `EngineStartupFailed` (the root cause and its traceback text);
 - engine -> frontend, any time: `EngineLog`, a log line for the frontend to write (troupe.process.logs);
 - frontend -> engine: `EngineStart` (the configuration), only to a headless engine (`troupe engine
@@ -22,9 +22,20 @@ from __future__ import annotations
 import msgspec
 
 from troupe.config import EngineConfig
-from troupe.engine.build import EngineReady
+from troupe.inputs import ModelLimits
 from troupe.messages import EngineInput, EngineOutput
 from troupe.process.logs import EngineLog
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+    """The engine is ready; also what an in-process engine reports (`pid` is then this process)."""
+
+    engine_index: int
+    pid: int
+    limits: ModelLimits
+    model_path: str  # the resolved model folder: the frontend loads its tokenizer from there
+    num_blocks: int
+    block_size: int
 
 
 class EngineHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):

@@ -1,8 +1,9 @@
 """`EngineProcess`: the frontend's side of an EngineCore that runs in a spawned child process.
 
 Inbox:    `EngineInput` from the graph (adds, aborts, utility calls), straight into the bridge.
-Outbox:   `EngineOutput` to the graph: what the engine sends, plus `EngineDead` when the process
-          exits without being asked to.
+Outbox:   `EngineOutput` to the graph: what the engine sends, put there by the bridge's own receive
+          pump (`_receive`: no relay task between the socket and the graph), plus `EngineDead` when
+          the process exits without being asked to.
 Owns:     the child process, the frontend `Bridge` (a ROUTER) with the private ipc dir, and the
           process monitor task.
 Shutdown: on cancellation (graph shutdown), shielded and bounded: `EngineShutdown` if the engine
@@ -28,7 +29,7 @@ child. The ROUTER binds at `data_parallel_address` PORT + rank and waits (up to
 `engine_ready_timeout_s`) for the engine's hello, then sends it the configuration (`EngineStart`).
 The death signal is the connection dropping (a ZMQ socket monitor; TCP heartbeats catch a host that
 vanished); shutdown is `EngineShutdown` and a bounded wait for the connection to close — the engine's
-owner is whoever started it. With a `launcher` (an `EngineLauncher`: Ray, troupe.process.ray_engines)
+owner is whoever started it. With a `launcher` (an `EngineLauncher`: Ray, troupe.engine_side.ray_engine)
 the ROUTER binds where the launcher says, the launcher starts the engine once it listens, and its
 word that the engine is gone is a death signal too: a dropped connection waits up to
 `LAUNCHER_CAUSE_GRACE_S` for it, so the reported death carries the launcher's cause.
@@ -53,14 +54,14 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.config import EngineConfig
-from troupe.engine.build import EngineReady, MakeCore
+from troupe.engine.build import MakeCore
+from troupe.engine.child import run_engine_process
 from troupe.errors import EngineStartupError, first_startup_error
 from troupe.handoff import hand_over
 from troupe.log import trace_enabled
 from troupe.messages import EngineCoreOutputs, EngineDead, EngineInput, EngineOutput, UtilityResult
 from troupe.process.bridge import Bridge, engine_identity
 from troupe.process.codec import FrameDecoder, reject_output
-from troupe.process.engine_main import run_engine_process
 from troupe.process.launch import (
     bare_main,
     connect_address,
@@ -72,6 +73,7 @@ from troupe.process.launch import (
 from troupe.process.logs import EngineLog, reemit
 from troupe.process.protocol import (
     EngineHello,
+    EngineReady,
     EngineShutdown,
     EngineStart,
     EngineStartupFailed,
@@ -88,7 +90,7 @@ LAUNCHER_CAUSE_GRACE_S = 2.0  # a dropped connection waits this long for the lau
 
 
 class EngineLauncher(Protocol):
-    """Starts a remote rank's headless engine and watches it (troupe.process.ray_engines). Whoever
+    """Starts a remote rank's headless engine and watches it (troupe.engine_side.ray_engine). Whoever
     made the launcher owns what it starts; `EngineProcess` only calls these three."""
 
     @property
@@ -141,6 +143,7 @@ class EngineProcess:
         self._bridge: Bridge[ToEngine, FromEngine] | None = None
         self._ready: EngineReady | None = None
         self._listens = False  # the child waits for EngineShutdown (it sent Ready or StartupFailed)
+        self._handshake_inbox: MemoryObjectSendStream[FromEngine] | None = None  # until EngineReady
         self._stopping = False
 
     @property
@@ -173,13 +176,13 @@ class EngineProcess:
             raise EngineStartupError.from_cause(exc, traceback.format_exc()) from exc
 
     async def _run(self, task_status: TaskStatus[None]) -> None:
-        from_wire_send, from_wire_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
+        handshake_send, handshake_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
         self._launcher_done = anyio.Event()
-        notify = from_wire_send.clone()  # the monitor's way in: after what the bridge delivered
-        async with self._outbox, from_wire_send, from_wire_recv, notify:
+        self._handshake_inbox = handshake_send
+        async with self._outbox, handshake_send, handshake_recv:
             with self._address() as (address, ipc_dir):
                 self._bridge = Bridge(address, bind=True, identity=engine_identity(self.engine_index),
-                                      inbox=self._inbox, outbox=from_wire_send,
+                                      inbox=self._inbox, deliver=self._receive,
                                       decoder=FrameDecoder(FromEngine), on_bad_frame=reject_output,
                                       watch_connection=self.remote)
                 async with self._bridge as bridge:
@@ -190,15 +193,15 @@ class EngineProcess:
                         async with anyio.create_task_group() as tg:
                             if proc is not None:
                                 self._pid = proc.pid
-                                tg.start_soon(self._monitor, proc, notify)
+                                tg.start_soon(self._monitor, proc)
                             else:
-                                tg.start_soon(self._watch_connection, bridge, notify)
+                                tg.start_soon(self._watch_connection, bridge)
                             if self._launcher is not None:
                                 await self._launcher.launch(bridge.endpoint)
-                                tg.start_soon(self._watch_launcher, self._launcher, notify)
-                            self._ready = await self._handshake(from_wire_recv, ipc_dir, bridge)
+                                tg.start_soon(self._watch_launcher, self._launcher)
+                            self._ready = await self._handshake(handshake_recv, ipc_dir, bridge)
                             task_status.started()
-                            await self._relay(from_wire_recv)
+                            await anyio.sleep_forever()  # what the engine sends reaches the graph in _receive
                     finally:
                         with anyio.CancelScope(shield=True):
                             if proc is not None:
@@ -260,29 +263,35 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ running
 
-    async def _relay(self, messages: MemoryObjectReceiveStream[FromEngine]) -> None:
-        async for msg in messages:
-            match msg:
-                case EngineCoreOutputs() | UtilityResult() | EngineDead():
-                    await hand_over(self._outbox, msg)
-                case EngineStartupFailed():  # the monitor's word for an exit it saw before ready was read
-                    await self._outbox.send(EngineDead(reason=msg.message, engine_index=self.engine_index))
-                case EngineLog():
-                    reemit(msg)
-                case EngineHello() | EngineReady():
-                    raise RuntimeError(f"EngineCore sent {type(msg).__name__} after it was ready")
-                case _:
-                    assert_never(msg)
+    async def _receive(self, msg: FromEngine) -> None:
+        """Every message from the engine (the bridge's pump awaits this for each one, in order) and the
+        watchers' word of its loss: to the handshake until `EngineReady` went there, then to the graph
+        from here, with no relay task between the socket and the graph."""
+        if (handshake := self._handshake_inbox) is not None:
+            if isinstance(msg, EngineReady):
+                self._handshake_inbox = None  # what comes after it is the graph's
+            await handshake.send(msg)
+            return
+        match msg:
+            case EngineCoreOutputs() | UtilityResult() | EngineDead():
+                await hand_over(self._outbox, msg)
+            case EngineStartupFailed():  # a watcher's word for an exit it saw before ready was read
+                await self._outbox.send(EngineDead(reason=msg.message, engine_index=self.engine_index))
+            case EngineLog():
+                reemit(msg)
+            case EngineHello() | EngineReady():
+                raise RuntimeError(f"EngineCore sent {type(msg).__name__} after it was ready")
+            case _:
+                assert_never(msg)
 
-    async def _monitor(self, proc: BaseProcess, notify: MemoryObjectSendStream[FromEngine]) -> None:
+    async def _monitor(self, proc: BaseProcess) -> None:
         await anyio.wait_readable(proc.sentinel)
         await anyio.to_thread.run_sync(proc.join, KILL_WAIT_S)  # reaps it: microseconds after EOF
         self._exitcode = proc.exitcode
-        await self._report_loss(notify, "EngineProcessExited", f"engine process {proc.pid} {describe_exit(proc.exitcode)}",
+        await self._report_loss("EngineProcessExited", f"engine process {proc.pid} {describe_exit(proc.exitcode)}",
                                 pid=proc.pid, exitcode=proc.exitcode)
 
-    async def _watch_connection(self, bridge: Bridge[ToEngine, FromEngine],
-                                notify: MemoryObjectSendStream[FromEngine]) -> None:
+    async def _watch_connection(self, bridge: Bridge[ToEngine, FromEngine]) -> None:
         await bridge.disconnected.wait()
         what = f"the connection to headless engine {self.engine_index} dropped"
         if self._launcher is not None:
@@ -292,25 +301,24 @@ class EngineProcess:
             if self._launcher_done.is_set():
                 return  # the launcher reported it, with its cause
             what += f" (its launcher gave no cause within {LAUNCHER_CAUSE_GRACE_S:g} s)"
-        await self._report_loss(notify, "EngineDisconnected", what)
+        await self._report_loss("EngineDisconnected", what)
 
-    async def _watch_launcher(self, launcher: EngineLauncher, notify: MemoryObjectSendStream[FromEngine]) -> None:
+    async def _watch_launcher(self, launcher: EngineLauncher) -> None:
         assert self._launcher_done is not None
         cause = await launcher.wait_gone()
-        await self._report_loss(notify, "EngineLost", cause)
+        await self._report_loss("EngineLost", cause)
         self._launcher_done.set()
 
-    async def _report_loss(self, notify: MemoryObjectSendStream[FromEngine], error_type: str, what: str,
-                           **fields: object) -> None:
+    async def _report_loss(self, error_type: str, what: str, **fields: object) -> None:
         """The engine went away without being asked: a failed start-up before ready, else EngineDead."""
         if self._stopping or self._lost:
             return
         self._lost = True
         if self._ready is None:
-            await notify.send(EngineStartupFailed(self.engine_index, error_type, what, ""))
+            await self._receive(EngineStartupFailed(self.engine_index, error_type, what, ""))
         else:
             log.error("engine lost", reason=what, **fields)
-            await notify.send(EngineDead(reason=what, engine_index=self.engine_index))
+            await self._receive(EngineDead(reason=what, engine_index=self.engine_index))
 
     # ------------------------------------------------------------------ shutdown
 

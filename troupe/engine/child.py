@@ -13,29 +13,31 @@ Shutdown: `EngineShutdown` from the frontend (the step in flight finishes, exit 
 3. Build the EngineCore in a worker thread (torch threads: `num_threads`, else all cores); send
    `EngineReady`, or `EngineStartupFailed` with the traceback and wait for `EngineShutdown`. What is
    alive once it is built is frozen out of the cyclic collector while it serves (`startup_heap_frozen`).
-4. Serve: frontend messages go to the actor's inbox while the actor steps in a worker thread, so
-   socket I/O and decoding overlap the model step and aborts never wait for a step. After the actor
-   reported `EngineDead`, inputs are dropped and the process waits for `EngineShutdown` (exit 1).
+4. Serve: the actor reads the bridge's stream directly while it steps in a worker thread, so socket
+   I/O and decoding overlap the model step and aborts never wait for a step; `EngineShutdown` is one
+   more case of its inbox. After the actor reported `EngineDead`, inputs are dropped and the process
+   waits for `EngineShutdown` (exit 1).
 
 Log lines go to the frontend over the same socket (troupe.process.logs), which writes them.
 
 `run_headless_engine` is the same engine started by hand (`troupe engine --connect`), possibly on
 another host: no parent to watch, so it exits when the frontend's connection drops; and it has no
 configuration of its own: the frontend sends it (`EngineStart`) after the hello. A Ray actor runs
-it too (`serve_headless`, troupe.process.ray_engines).
+it too (`serve_headless`, troupe.engine_side.ray_engine).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple, assert_never
+from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
 import msgspec
@@ -46,7 +48,7 @@ from troupe.config import EngineConfig
 from troupe.engine.build import MakeCore, build_core, ready_info
 from troupe.engine.core_actor import EngineCoreActor
 from troupe.errors import EngineStartupError
-from troupe.messages import AbortRequest, AddRequest, EngineInput, UtilityCall
+from troupe.handoff import hand_over
 from troupe.process.bridge import Bridge, engine_identity
 from troupe.process.codec import FrameDecoder, reject_input
 from troupe.process.launch import engine_omp_settings, rank_address
@@ -63,7 +65,7 @@ from troupe.process.protocol import (
 if TYPE_CHECKING:
     from troupe.core.engine_core import EngineCore
 
-log = structlog.get_logger("troupe.engine_main")
+log = structlog.get_logger("troupe.engine_child")
 
 STREAM_BUFFER = 64
 EXIT_OK, EXIT_FAILED, EXIT_PARENT_GONE = 0, 1, 3
@@ -108,7 +110,7 @@ def run_headless_engine(address: str, rank: int, *, num_threads: int | None = No
 def serve_headless(target: str, rank: int, *, num_threads: int | None = None, log_level: str | None = None,
                    start_timeout_s: float | None = None, serve_forever: bool = False) -> int:
     """`run_headless_engine` at exactly `target`, the frontend's endpoint for this rank (a launcher
-    that was told it: troupe.process.ray_engines)."""
+    that was told it: troupe.engine_side.ray_engine)."""
     os.environ.update(engine_omp_settings())  # effective if torch is not loaded yet (the CLI defers it)
     forward = configure_child_logging(log_level)
     structlog.contextvars.bind_contextvars(engine=rank, pid=os.getpid())
@@ -164,7 +166,8 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
     to_wire_send, to_wire_recv = anyio.create_memory_object_stream[FromEngine](STREAM_BUFFER)
     from_wire_send, from_wire_recv = anyio.create_memory_object_stream[ToEngine](STREAM_BUFFER)
     bridge = Bridge(address, bind=False, identity=engine_identity(engine_index), inbox=to_wire_recv,
-                    outbox=from_wire_send, decoder=FrameDecoder(ToEngine), on_bad_frame=reject_input,
+                    deliver=functools.partial(hand_over, from_wire_send), decoder=FrameDecoder(ToEngine),
+                    on_bad_frame=reject_input,
                     watch_connection=headless is not None)
     log_send, log_recv = log_channel()
     watch, loop_watch = anyio.CancelScope(), anyio.CancelScope()
@@ -177,7 +180,7 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
             looped = True
             tg.cancel_scope.cancel()
 
-    async with bridge, to_wire_send, from_wire_recv, anyio.create_task_group() as tg:
+    async with bridge, to_wire_send, from_wire_send, from_wire_recv, anyio.create_task_group() as tg:
         tg.start_soon(pump, log_recv, to_wire_send.clone().send)
         forward.attach(log_send)
         try:
@@ -272,22 +275,14 @@ async def _exit_when_frontend_leaves(bridge: Bridge[FromEngine, ToEngine], scope
 
 async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectSendStream[FromEngine],
                       inbox: MemoryObjectReceiveStream[ToEngine]) -> int:
-    engine_send, engine_recv = anyio.create_memory_object_stream[EngineInput](STREAM_BUFFER)
-    actor = EngineCoreActor(core, engine_recv, outbox.clone(), engine_index=engine_index)
-    async with anyio.create_task_group() as tg:
-        await tg.start(actor.run)
-        async with engine_send:
-            async for msg in inbox:
-                match msg:
-                    case EngineShutdown():
-                        break
-                    case AddRequest() | AbortRequest() | UtilityCall():
-                        with contextlib.suppress(anyio.BrokenResourceError):  # a dead engine takes nothing
-                            await engine_send.send(msg)
-                    case EngineStart():
-                        log.warning("EngineStart after start-up ignored")
-                    case _:
-                        assert_never(msg)
-        tg.cancel_scope.cancel()  # the step in flight finishes first
+    """The actor reads the bridge's stream itself (one hand-off between the socket and the step loop)
+    and stops at `EngineShutdown`. An actor that failed (`EngineDead` sent) leaves the rest of the
+    stream here: inputs are dropped until the frontend's `EngineShutdown`."""
+    actor = EngineCoreActor(core, inbox, outbox.clone(), engine_index=engine_index)
+    await actor.run()
+    if actor.failed:
+        async for msg in inbox:
+            if isinstance(msg, EngineShutdown):
+                break
     log.info("engine process exiting", failed=actor.failed)
     return EXIT_FAILED if actor.failed else EXIT_OK

@@ -7,7 +7,7 @@ remote rank: the frontend side is an `EngineProcess(remote=True)` with this obje
 
 Inbox / Outbox: those of its `EngineProcess` (`EngineInput` in; `EngineOutput` out, `EngineDead` on
           a death, with Ray's cause).
-Owns:     its share of the Ray session (troupe.process.ray_session), its placement group, its actor.
+Owns:     its share of the Ray session (troupe.engine_side.ray_session), its placement group, its actor.
 Shutdown: every way out (normal, failed start-up, cancellation, crash) runs the same shielded
           `finally`: the EngineProcess's `EngineShutdown` and bounded wait, then `ray.kill` of the
           actor, removal of the placement group, leaving the session. Both are non-detached and
@@ -45,15 +45,9 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from troupe.config import EngineConfig
-from troupe.engine.build import EngineReady
-from troupe.errors import EngineStartupError
-from troupe.hooks import load as load_hooks
-from troupe.log import trace_enabled
-from troupe.messages import EngineInput, EngineOutput
-from troupe.process.client import EngineProcess, EngineProcessStats
-from troupe.process.engine_main import serve_headless
-from troupe.process.launch import rank_address
-from troupe.process.ray_placement import (
+from troupe.engine.child import serve_headless
+from troupe.engine_side.engine_process import EngineProcess, EngineProcessStats
+from troupe.engine_side.ray_placement import (
     default_rank_cpus,
     describe_ray_error,
     fits_a_node,
@@ -63,7 +57,13 @@ from troupe.process.ray_placement import (
     rank_resources,
     unplaced_reason,
 )
-from troupe.process.ray_session import ray_session
+from troupe.engine_side.ray_session import ray_session
+from troupe.errors import EngineStartupError
+from troupe.hooks import load as load_hooks
+from troupe.log import trace_enabled
+from troupe.messages import EngineInput, EngineOutput
+from troupe.process.launch import rank_address
+from troupe.process.protocol import EngineReady
 
 log = structlog.get_logger("troupe.ray_engine")
 
@@ -82,7 +82,7 @@ class EngineActor:
 
     def serve(self, endpoint: str, num_threads: int, start_timeout_s: float, log_level: str | None) -> int:
         """The headless engine of this rank, connected to `endpoint`, until the frontend stops it
-        (returns its exit code) or goes away (the process exits: troupe.process.engine_main)."""
+        (returns its exit code) or goes away (the process exits: troupe.engine.child)."""
         return serve_headless(endpoint, self.engine_index, num_threads=num_threads, log_level=log_level,
                               start_timeout_s=start_timeout_s)
 

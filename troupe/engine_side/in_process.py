@@ -1,0 +1,53 @@
+"""`InProcessEngine`: the engine side in the frontend's own process (`multiprocess=False`).
+
+Builds the EngineCore in a worker thread, then runs the `EngineCoreActor` in the graph's task group on
+the graph's two stream ends, with no process or wire between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from troupe.config import EngineConfig
+from troupe.engine.build import MakeCore, build_core, ready_info
+from troupe.engine.core_actor import EngineCoreActor
+from troupe.messages import EngineInput, EngineOutput
+from troupe.process.protocol import EngineReady
+
+
+class InProcessEngine:
+    """The engine side in this process: an `EngineCoreActor` whose core is built in a worker thread."""
+
+    def __init__(self, config: EngineConfig, inbox: MemoryObjectReceiveStream[EngineInput],
+                 outbox: MemoryObjectSendStream[EngineOutput], *, make_core: MakeCore | None = None,
+                 engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self._inbox = inbox
+        self._outbox = outbox
+        self._make_core = make_core
+        self._ready: EngineReady | None = None
+        self.actor: EngineCoreActor | None = None
+
+    @property
+    def ready(self) -> EngineReady:
+        assert self._ready is not None, "the engine has not started"
+        return self._ready
+
+    @property
+    def pids(self) -> list[int]:
+        return []
+
+    def statistics(self) -> Any:
+        return self.actor.statistics() if self.actor is not None else None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        core = await anyio.to_thread.run_sync(build_core, self.config, self._make_core, self.engine_index)
+        self._ready = ready_info(core, self.engine_index)
+        self.actor = EngineCoreActor(core, self._inbox, self._outbox, engine_index=self.engine_index)
+        async with self._inbox:  # the actor reads it; its owner closes it
+            await self.actor.run(task_status=task_status)
