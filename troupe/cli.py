@@ -40,6 +40,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face style folder, a .gguf file, a Hugging Face Hub id (org/name: the local "
                         "cache first, then a download unless HF_HUB_OFFLINE is set), or the default model's name")
     g.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit (default: main)")
+    g.add_argument("--tokenizer", default=None,
+                   help="the tokenizer's folder, .gguf file or Hub id, when it is not the model's own (vLLM's "
+                        "--tokenizer); the frontend and the engine's structured outputs both use it")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs; auto: CUDA when torch sees a GPU")
@@ -106,7 +109,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model=args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization, device=args.device,
+    return dict(model=args.model, revision=args.revision, tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization, device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

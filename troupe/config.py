@@ -29,6 +29,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # the pool's dtype
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = DEFAULT_MODEL  # a folder, a .gguf file, a Hugging Face Hub id (troupe.models.hub) or the default
     revision: str | None = None  # a Hub id's branch, tag or commit (None: main)
+    tokenizer: str | None = None  # vLLM's `tokenizer`: the tokenizer's folder, .gguf file or Hub id (None: the model's)
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA; on CPU, bfloat16 only where it is native), "bfloat16",
     # "float16" (the eager and cuda kernel sets; "auto" kernels pick eager for it on the CPU), "float32"
     device: str = "auto"  # where the model runs: "auto" (CUDA when torch sees a GPU), "cpu", "cuda"

@@ -218,7 +218,7 @@ class Graph(anyio.AsyncContextManagerMixin):
         self.engines = [make_engine_side(self.config, inbox, outbox, make_core=self._make_core, engine_index=rank)
                         for rank, (inbox, outbox) in enumerate(streams.engine_ends())]
         tokenizer = TokenizerPrefetch()  # transformers takes seconds to load: overlap the engines' start
-        tg.start_soon(tokenizer.load, self.config.model, self.config.revision)
+        tg.start_soon(tokenizer.load, self.config.model, self.config.revision, self.config.tokenizer)
         several = len(self.engines) > 1
 
         async def start(rank: int, side: EngineSide) -> None:
@@ -231,8 +231,10 @@ class Graph(anyio.AsyncContextManagerMixin):
         except* EngineStartupError as group:
             raise first_startup_error(group) from None
         first = self.engines[0].ready
-        # the tokenizer from rank 0's folder if it runs here; headless engines' paths are theirs
-        self.tokenizer = await tokenizer.get(first.model_path if self.config.num_local_engines else None)
+        # the tokenizer from rank 0's folder if it runs here (headless engines' paths are theirs), unless
+        # the configuration names one
+        own = self.config.tokenizer is None and self.config.num_local_engines
+        self.tokenizer = await tokenizer.get(first.model_path if own else None)
         self._table.set_tokenizer(self.tokenizer)
         load_hooks(self.config.hooks).frontend_built(self._table.processor)  # no-op unless a plugin is named
         self.limits = _group_limits([side.ready for side in self.engines], self.config.input_limits)

@@ -12,7 +12,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from troupe.actors.input_processor import FrontendInput
 from troupe.errors import EngineStartupError
 from troupe.messages import EngineInput, EngineOutput
-from troupe.models.loader import load_tokenizer, resolve_model_path
+from troupe.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer
 
 STREAM_BUFFER = 64
 
@@ -61,29 +61,31 @@ class TokenizerPrefetch:
         self._path: str | None = None
         self._model = ""
         self._tokenizer: Any = None
+        self._error: Exception | None = None
 
-    async def load(self, model: str, revision: str | None = None) -> None:
-        self._model = model
+    async def load(self, model: str, revision: str | None = None, tokenizer: str | None = None) -> None:
+        """The tokenizer of `model` at `revision`, or the one `tokenizer` names (EngineConfig.tokenizer)."""
+        self._model = tokenizer or model
         try:
             # not abandoned on cancel: a start that fails waits for this thread, so no thread of ours is
             # left importing transformers in the caller's process (a racing import there sees it half done)
-            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model, revision)
-        except Exception:  # the engine reports the real problem (or get() raises it again)
-            pass
+            self._path, self._tokenizer = await anyio.to_thread.run_sync(_resolve_and_load, model, revision, tokenizer)
+        except Exception as exc:  # the engine reports the real problem (or get() raises it again)
+            self._error = exc
         finally:
             self._done.set()
 
     async def get(self, model_path: str | None) -> Any:
-        """The tokenizer of `model_path` (None: the engines are all remote, whose paths are theirs:
-        the folder this host resolves for the model)."""
+        """The tokenizer of `model_path` (None: the one `load` resolved on this host: the engines are all
+        remote, whose paths are theirs, or the configuration names the tokenizer)."""
         await self._done.wait()
         if self._tokenizer is not None and model_path in (self._path, None):
             return self._tokenizer
         if model_path is None:
-            raise EngineStartupError(f"the tokenizer of {self._model!r} could not be loaded on this host")
+            raise EngineStartupError(f"the tokenizer of {self._model!r} could not be loaded on this host: {self._error}")
         return await anyio.to_thread.run_sync(load_tokenizer, model_path)
 
 
-def _resolve_and_load(model: str, revision: str | None) -> tuple[str, Any]:
-    path = str(resolve_model_path(model, revision))
+def _resolve_and_load(model: str, revision: str | None, tokenizer: str | None) -> tuple[str, Any]:
+    path = str(resolve_tokenizer(tokenizer) if tokenizer else resolve_model_path(model, revision))
     return path, load_tokenizer(path)

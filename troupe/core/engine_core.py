@@ -59,7 +59,7 @@ from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_ki
 from troupe.inputs import ModelLimits, check_runner, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
-from troupe.models.loader import load_tokenizer
+from troupe.models.loader import load_tokenizer, resolve_tokenizer
 from troupe.pooling import resolve_pooler
 from troupe.structured.backend import bitmask_width
 from troupe.structured.manager import StructuredOutputManager
@@ -83,8 +83,8 @@ class EngineCore:
                                    max_model_len=self.max_model_len,
                                    policy="priority" if config.scheduling_policy == "priority" else "fcfs")
         self.sampler = make_sampler(self.runner.device, seed=config.seed, logprobs_mode=config.logprobs_mode)
-        model_path = self.runner.model_path
-        self.structured = StructuredOutputManager(lambda: load_tokenizer(model_path), self.runner.vocab_size,
+        tokenizer_path = resolve_tokenizer(config.tokenizer) if config.tokenizer else self.runner.model_path
+        self.structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer_path), self.runner.vocab_size,
                                                   list(self.runner.info.eos_token_ids),
                                                   compile_timeout_s=config.grammar_compile_timeout_s)
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update

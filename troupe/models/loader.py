@@ -251,6 +251,15 @@ def load_model(
     return model.eval(), info
 
 
+def resolve_tokenizer(tokenizer: str) -> Path:
+    """`EngineConfig.tokenizer` (a folder, a .gguf file or a Hub id, resolved as a model path is) as a
+    path; its errors name the field."""
+    try:
+        return resolve_model_path(tokenizer)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"tokenizer: {e}") from e
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The folder's tokenizer, or the GGUF file's (from its cached tokenizer files) (`AutoTokenizer`,
     local files only)."""
