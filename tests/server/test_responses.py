@@ -140,6 +140,44 @@ def test_json_schema_text_format(client: openai.OpenAI) -> None:
         assert any(doc.startswith(compact) for doc in ('{"answer":"yes"}', '{"answer":"no"}')), compact
 
 
+def test_logprobs_are_included_whole_and_streamed(client: openai.OpenAI) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the `output_text` part carries
+    every generated token's logprob and top alternatives, the chat path's for the same greedy request
+    (a schema keeps the answer a message); streamed, the text deltas carry them in order and the
+    `.done` event and the completed response carry the whole list. Without `include` it stays empty."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "n", "schema": schema, "strict": True}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "A number"}], max_tokens=10, temperature=0,
+        logprobs=True, top_logprobs=2, response_format={"type": "json_schema", "json_schema": {**fmt, "name": "n"}})
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    want = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in want)
+    include: Any = ["message.output_text.logprobs"]
+    kwargs: dict[str, Any] = dict(model="tiny", input="A number", max_output_tokens=10, temperature=0,
+                                  text={"format": fmt})
+    resp = client.responses.create(**kwargs, include=include, top_logprobs=2)
+    part = next(item for item in resp.output if item.type == "message").content[0]
+    assert part.text == chat.choices[0].message.content
+    assert [entry.model_dump() for entry in part.logprobs] == want
+    plain = client.responses.create(**kwargs)
+    assert next(item for item in plain.output if item.type == "message").content[0].logprobs == []
+    deltas: list[dict[str, Any]] = []
+    done: list[dict[str, Any]] = []
+    final: Any = None
+    for event in client.responses.create(**kwargs, include=include, top_logprobs=2, stream=True):
+        if event.type == "response.output_text.delta":
+            deltas += [entry.model_dump() for entry in event.logprobs]
+        elif event.type == "response.output_text.done":
+            done = [entry.model_dump() for entry in event.logprobs]
+        elif event.type == "response.completed":
+            final = event.response
+    assert deltas == want[:len(deltas)] and deltas and done == want
+    streamed = next(item for item in final.output if item.type == "message").content[0]
+    assert [entry.model_dump() for entry in streamed.logprobs] == want
+
+
 def test_named_tool_choice(client: openai.OpenAI) -> None:
     resp = client.responses.create(model="tiny", input="Weather?", tools=[WEATHER], max_output_tokens=48,
                                    tool_choice={"type": "function", "name": "get_weather"})
@@ -247,6 +285,10 @@ def test_store_get_delete_and_previous_response(client: openai.OpenAI, server: S
     ({"input": [{"type": "image_generation_call"}]}, "input[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include[1]"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "top_k": -5}, "top_k"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),

@@ -77,7 +77,8 @@ class ChatFormat:
         self._prompt_ids: list[int] = []
         self._started = False
 
-    def _logprobs(self, c: CompletionOutput) -> ChatLogprobs | None:
+    def logprobs(self, c: CompletionOutput) -> ChatLogprobs | None:
+        """The logprobs of `c`'s new tokens, when the request asked for them."""
         if not self.req.logprobs:
             return None
         return ChatLogprobs(content=chat_logprobs(c.token_ids, positions(c.logprobs, len(c.token_ids)),
@@ -127,7 +128,7 @@ class ChatFormat:
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             message, called = self._message(c)
-            choice = ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c),
+            choice = ChatChoice(index=c.index, message=message, logprobs=self.logprobs(c),
                                 finish_reason=finish(self._finish(c, called)), stop_reason=c.stop_reason)
             if self.req.return_token_ids:
                 choice.token_ids = list(c.token_ids)
@@ -229,7 +230,7 @@ class ChatFormat:
             st = self._choices.setdefault(c.index, _Choice())
             st.tokens += len(c.token_ids)
             delta = self.delta(c, st)
-            logprobs = self._logprobs(c) if c.token_ids else None
+            logprobs = self.logprobs(c) if c.token_ids else None
             reason = self._finish(c, st.calls_sent > 0)
             if (delta.content is None and delta.tool_calls is None and delta.reasoning_content is None
                     and reason is None and logprobs is None):

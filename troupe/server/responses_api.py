@@ -14,7 +14,10 @@ outputs, tool and reasoning parsers); only the answer's shape differs (`response
    `tools` (flat: `{"type": "function", "name", "parameters", ...}`) with `tool_choice` (`auto`,
    `none`, `required`, `{"type": "function", "name"}`), `parallel_tool_calls`, `reasoning.effort`
    (the template's `reasoning_effort`), and vLLM's sampling extras (`top_k`, `min_p`, `seed`, ...).
-   Other tool types and `background=true` are a 400 naming the field.
+   `include: ["message.output_text.logprobs"]` with `top_logprobs` (0..20) puts each generated
+   token's logprob (and its top alternatives) on the `output_text` part and on each
+   `response.output_text.delta`; every other `include` value, other tool types, `truncation="auto"`
+   and `background=true` are a 400 naming the field.
 3. Output items, in order: a `reasoning` item (with a reasoning parser, when the model reasoned),
    a `message` with one `output_text` part (when there is text, or no other item: an empty
    answer is an empty message), one `function_call` item per tool call. `status` is `completed`, or `incomplete` with
@@ -46,7 +49,7 @@ from starlette.responses import Response
 
 from troupe.server.chat import ChatCompletionRequest
 from troupe.server.errors import APIError, bad_request
-from troupe.server.protocol import Int64, PositiveInt
+from troupe.server.protocol import Int64, NumLogprobs, PositiveInt
 from troupe.server.responses_output import (
     ResponseShell,
     ResponsesStream,
@@ -59,6 +62,7 @@ from troupe.server.serving import gather_finals, json_response, read_body, serve
 from troupe.server.sse import EventStream
 
 _ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -101,6 +105,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
+    top_logprobs: NumLogprobs | None = None
     truncation: Literal["disabled", "auto"] | None = None
     background: bool = False
     service_tier: str | None = None
@@ -208,6 +213,14 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
     that a later `previous_response_id` continues."""
     if req.background:
         raise bad_request("background", "background responses are not supported by troupe")
+    if req.truncation == "auto":
+        raise bad_request("truncation", "only 'disabled' is supported: troupe does not drop input items to fit")
+    for i, item in enumerate(req.include or []):
+        if item != LOGPROBS_INCLUDE:
+            raise bad_request(f"include[{i}]", f"only {LOGPROBS_INCLUDE!r} is supported, got {item!r}")
+    logprobs = LOGPROBS_INCLUDE in (req.include or [])
+    if req.top_logprobs and not logprobs:
+        raise bad_request("top_logprobs", f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
     conversation = history + input_messages(req.input)
     if not conversation:
         raise bad_request("input", "must hold at least one message")
@@ -220,6 +233,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
         "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "seed": req.seed, "stop": req.stop,
         "priority": req.priority, "request_id": req.request_id,
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
+        "logprobs": logprobs or None, "top_logprobs": req.top_logprobs if logprobs else None,
     }
     # a value chat refuses (a msgspec.ValidationError naming the field) is a 400 like chat's
     chat = msgspec.convert({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)

@@ -19,7 +19,7 @@ import msgspec
 
 from troupe.outputs import RequestOutput
 from troupe.server.chat_format import ChatFormat
-from troupe.server.responses import ChatCompletionResponse, ChatDelta
+from troupe.server.responses import ChatCompletionResponse, ChatDelta, ChatLogprobs
 
 if TYPE_CHECKING:
     from troupe.server.responses_api import ResponsesRequest
@@ -61,6 +61,7 @@ class ResponseShell:
             "previous_response_id": req.previous_response_id, "store": req.store, "metadata": req.metadata or {},
             "reasoning": msgspec.structs.asdict(req.reasoning) if req.reasoning is not None else None,
             "truncation": req.truncation or "disabled", "user": req.user, "background": False,
+            "service_tier": req.service_tier or "auto", "top_logprobs": req.top_logprobs or 0,
         }
 
 
@@ -69,8 +70,18 @@ def _reasoning_item(text: str, status: str = "completed", item_id: str | None = 
             "content": [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []}
 
 
-def _message_item(text: str | None, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def response_logprobs(logprobs: ChatLogprobs | None) -> list[dict[str, Any]]:
+    """The chat path's token logprobs in the Responses shape (`token`, `logprob`, `bytes`,
+    `top_logprobs`); empty when the request did not include them."""
+    if logprobs is None or not logprobs.content:
+        return []
+    return [msgspec.to_builtins(entry) for entry in logprobs.content]
+
+
+def _message_item(text: str | None, status: str = "completed", item_id: str | None = None,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": logprobs or []}]
     return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
             "content": content}
 
@@ -82,7 +93,8 @@ def _call_item(call_id: str, name: str, arguments: str, status: str = "completed
 
 
 def output_items(chat: ChatCompletionResponse) -> tuple[list[dict[str, Any]], str | None]:
-    """A whole chat answer's output items (module docstring, step 3), and its reasoning text."""
+    """A whole chat answer's output items (module docstring, step 3), and its reasoning text. The
+    message's `output_text` carries every generated token's logprob when the request included them."""
     message = chat.choices[0].message
     items = []
     thought = message.reasoning_content if isinstance(message.reasoning_content, str) else None
@@ -90,7 +102,7 @@ def output_items(chat: ChatCompletionResponse) -> tuple[list[dict[str, Any]], st
         items.append(_reasoning_item(thought))
     calls = message.tool_calls if not isinstance(message.tool_calls, msgspec.UnsetType) else []
     if message.content is not None or not items and not calls:
-        items.append(_message_item(message.content or ""))
+        items.append(_message_item(message.content or "", logprobs=response_logprobs(chat.choices[0].logprobs)))
     items.extend(_call_item(c.id, c.function.name, c.function.arguments) for c in calls)
     return items, thought
 
@@ -115,6 +127,8 @@ class ResponsesStream:
         self._prompt_tokens = 0
         self._tokens = 0
         self._reasoning: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []  # every generated token's (when included), in order
+        self._sent_logprobs = 0  # how many of them a text delta carried already
         self._finish: str | None = None
         self._started = False
 
@@ -138,9 +152,9 @@ class ResponsesStream:
                                      arguments=text, name=item["name"]))
         else:
             part = ({"type": "reasoning_text", "text": text} if item["type"] == "reasoning"
-                    else {"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+                    else {"type": "output_text", "text": text, "annotations": [], "logprobs": self._logprobs})
             done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
-            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": []}
+            extra: dict[str, Any] = {} if item["type"] == "reasoning" else {"logprobs": self._logprobs}
             events.append(self._emit(done, item_id=item["id"], output_index=index, content_index=0, text=text,
                                      **extra))
             events.append(self._emit("response.content_part.done", item_id=item["id"], output_index=index,
@@ -182,9 +196,10 @@ class ResponsesStream:
             if self._kind() != "message":
                 events += self._open_item(_message_item(None, "in_progress"))
             self._text.append(delta.content)
+            fresh, self._sent_logprobs = self._logprobs[self._sent_logprobs:], len(self._logprobs)
             events.append(self._emit("response.output_text.delta", item_id=self._open["id"],  # type: ignore[index]
                                      output_index=len(self._output), content_index=0, delta=delta.content,
-                                     logprobs=[]))
+                                     logprobs=fresh))
         for call in delta.tool_calls or []:
             fn = call.function
             if call.id is not None:  # a new call
@@ -206,6 +221,7 @@ class ResponsesStream:
             events.append(self._emit("response.in_progress", response=body))
         for c in out.outputs:
             self._tokens += len(c.token_ids)
+            self._logprobs += response_logprobs(self.chat.logprobs(c) if c.token_ids else None)
             delta, reason = self.chat.step(c)
             events += self._delta_events(delta)
             if reason is not None:
