@@ -52,7 +52,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations; gguf-bf16: batches in "
                         "bfloat16, CPUs with avx512_bf16) or expand them "
-                        "to float32 (dequantize); auto: gguf for a .gguf file")
+                        "to float32 (dequantize); auto: for a .gguf file gguf-bf16 on a CPU with AMX, else gguf")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024,

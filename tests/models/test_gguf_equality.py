@@ -1,7 +1,8 @@
-"""Output-exact mode on the default model (issue 13 item 4): troupe in its default configuration — kernels
-"auto" (the compiled cpu set here), quantization "auto" (the GGUF's Q4_1 / Q8_0 blocks kept), the set's
-default float16 KV pool — gives transformers' greedy tokens on the same weights (the GGUF expanded to
-float32, `ensure_default_model()`).
+"""The default configuration on the default model (issue 13 item 4): troupe as shipped — kernels "auto"
+(the compiled cpu set here), quantization "auto" (the GGUF's Q4_1 / Q8_0 blocks kept: the output-exact
+`gguf`, or `gguf-bf16` on a CPU with AMX, issue 41), the set's default float16 KV pool — gives
+transformers' greedy tokens on the same weights (the GGUF expanded to float32, `ensure_default_model()`).
+test_hf_equality holds the `gguf` mode itself to the same bar on more configurations.
 
 The 16 prompts of test_hf_equality (5..300 tokens) run together, 32 new tokens each: once in one EngineCore
 (chunked prefill, mixed steps, the configuration checked on its runner), once through `LLM` (the engine in

@@ -223,7 +223,7 @@ def hf_greedy(model: Any, batch: list[list[int]]) -> list[list[int]]:
 def troupe_greedy(path: Path, kernels: str, batch: list[list[int]]) -> list[list[int]]:
     """All prompts in one engine (the file's blocks kept), chunked prefill mixing prefills with decodes."""
     kv = "float32" if kernels == "cpu" else "auto"
-    return engine_greedy(EngineConfig(model=str(path), dtype="float32", kernels=kernels, kv_cache_dtype=kv,
+    return engine_greedy(EngineConfig(model=str(path), dtype="float32", kernels=kernels, kv_cache_dtype=kv, quantization="gguf",
                                       num_kv_blocks=64, block_size=4, max_num_batched_tokens=32, num_threads=1),
                          batch, NEW_TOKENS)
 

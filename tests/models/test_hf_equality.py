@@ -167,7 +167,7 @@ def oracle(model_dir: Any, prompts: list[list[int]]) -> Oracle:
     return hf_oracle(model_dir, prompts)
 
 
-BASE = dict(dtype="float32", max_model_len=2048, num_threads=CORES)
+BASE = dict(dtype="float32", max_model_len=2048, num_threads=CORES, quantization="gguf")  # the output-exact mode
 
 
 DEFAULT_CHUNKS = dict(max_num_batched_tokens=512, block_size=16, num_kv_blocks=512)

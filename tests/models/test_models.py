@@ -390,7 +390,8 @@ def test_default_model_matches_transformers_and_answers():
     ids = [tok.encode(p) for p in prompts]
     hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     # a float32 pool: this checks the weights end to end (the default float16 pool: test_hf_equality)
-    runner = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, kv_cache_dtype="float32"))
+    runner = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64, block_size=16, kv_cache_dtype="float32",
+                                      quantization="gguf"))  # the output-exact mode (auto may be bf16: AMX)
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(ids))]
     with torch.inference_mode():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in ids])

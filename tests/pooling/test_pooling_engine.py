@@ -140,7 +140,7 @@ def test_default_model_equals_transformers() -> None:
     torch.set_num_threads(CORES)
     folder = ensure_default_model()
     core = EngineCore(EngineConfig(runner="pooling", dtype="float32", kv_cache_dtype="float32", num_kv_blocks=16,
-                                   max_num_batched_tokens=32, log_stats_interval_s=None))
+                                   max_num_batched_tokens=32, log_stats_interval_s=None, quantization="gguf"))
     ids = load_tokenizer(folder)(TEXT)["input_ids"]
     batch = [ids[:1], ids[:13], ids[:60]]
     finals = pooled(core, batch)

@@ -29,7 +29,7 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-model-len", "1024", "--served-model-name", "smol"],
+    with ServerProcess(["--dtype", "float32", "--kv-cache-dtype", "float32", "--quantization", "gguf", "--max-model-len", "1024", "--served-model-name", "smol"],
                        tmp_path_factory.mktemp("openai-server")) as srv:
         yield srv
 

@@ -113,7 +113,8 @@ def parse_troupe_config(text: str) -> tuple[str, dict[str, Any]]:
 
 def default_troupe_configs(isa: str = "native") -> list[str]:
     """troupe's default mode, plus the quantized-activation mode where this checkout has it, and the bf16
-    mode where it has that and runs here (a CPU with avx512_bf16, the native build: `isa`)."""
+    mode where it has that and runs here (a CPU with avx512_bf16, the native build: `isa`). Where the
+    default is the bf16 mode already (a CPU with AMX), the output-exact mode takes its place."""
     from troupe import config
     from troupe.kernels.cpu.build import cpu_flags
 
@@ -122,7 +123,10 @@ def default_troupe_configs(isa: str = "native") -> list[str]:
     if "gguf-q8" in modes:
         configs.append("troupe-q8:quantization=gguf-q8")
     if "gguf-bf16" in modes and isa == "native" and "avx512_bf16" in cpu_flags():
-        configs.append("troupe-bf16:quantization=gguf-bf16")
+        from troupe.kernels import select  # a checkout whose `auto` takes the bf16 mode on AMX
+
+        bf16_default = "amx_bf16" in cpu_flags() and hasattr(select, "default_quantization")
+        configs.append("troupe-exact:quantization=gguf" if bf16_default else "troupe-bf16:quantization=gguf-bf16")
     return configs
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
@@ -45,7 +46,8 @@ from troupe.core import gpu_memory
 from troupe.core.batch import ScheduledSeq
 from troupe.errors import InvalidInputError
 from troupe.kernels import KVSpec, select_kernels
-from troupe.kernels.select import model_dtype, resolve_device
+from troupe.kernels.select import default_quantization, model_dtype, resolve_device
+from troupe.models import gguf
 from troupe.models.loader import (
     ModelInfo,
     check_max_model_len,
@@ -76,6 +78,10 @@ class ModelRunner:
                                     f"the pool with kv_cache_memory_bytes or num_kv_blocks, got "
                                     f"{config.gpu_memory_utilization!r}")
         dtype = resolve_dtype(model_dtype(config, self.device), self.model_path)
+        if dtype == torch.float32:  # "auto" on a GGUF: this CPU kind's measured default mode
+            config = msgspec.structs.replace(config, quantization=default_quantization(
+                config, gguf.is_gguf(self.model_path), self.device))
+        self.quantization = config.quantization
         self.kernels = select_kernels(config, self.device, dtype)
         self.graphs: Any = None  # troupe.kernels.cuda.graphs.DecodeGraphs once captured
         self.graph_reserve_bytes = 0  # what the pool sizing left the graphs (`gpu_memory`)
@@ -102,7 +108,8 @@ class ModelRunner:
         self.kv_caches = [] if self.null_model else self.kernels.allocate_kv(self.kv_spec)
         if on_gpu and not config.enforce_eager:
             self._capture_graphs()
-        log.info("model loaded", model=str(self.model_path), kernels=self.kernels.name, device=str(self.device),
+        log.info("model loaded", model=str(self.model_path), kernels=self.kernels.name, quantization=self.quantization,
+                 device=str(self.device),
                  dtype=str(self.info.dtype).removeprefix("torch."), num_kv_blocks=self.num_blocks,
                  kv_cache_dtype=str(self.kernels.kv_cache_dtype(self.info.dtype)).removeprefix("torch."))
 

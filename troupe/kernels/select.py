@@ -47,6 +47,26 @@ def model_dtype(config: EngineConfig, device: torch.device) -> str | torch.dtype
     return torch.bfloat16 if config.dtype == "auto" and device.type == "cuda" else config.dtype
 
 
+def default_quantization(config: EngineConfig, gguf_file: bool, device: torch.device) -> str:
+    """`config.quantization`, except "auto" for a GGUF file on a CPU with AMX: "gguf-bf16" there, the mode
+    issue 41's rule picked from measured quality (the float32 reference's perplexity, the fastest mode that
+    keeps it; docs/benchmarks.md, "Quality"), where the compiled kernels run it. Elsewhere "auto" stays
+    (`gguf`: float32 on the blocks, output-exact); a CPU kind gets another default once it is measured."""
+    if (config.quantization != "auto" or not gguf_file or device.type != "cpu" or config.kernels not in ("auto", "cpu")
+            or "amx_bf16" not in _cpu_flags()):
+        return config.quantization
+    from troupe.kernels.cpu import available
+    from troupe.kernels.cpu.linear import bf16_unsupported
+
+    return "gguf-bf16" if bf16_unsupported() is None and available() else config.quantization
+
+
+def _cpu_flags() -> frozenset[str]:
+    from troupe.kernels.cpu.build import cpu_flags
+
+    return cpu_flags()
+
+
 def select_kernels(config: EngineConfig, device: torch.device | None = None,
                    dtype: torch.dtype | None = None) -> KernelSet:
     """The kernel set for `config`, on `device` (None: `resolve_device(config)`); `dtype` is the model's

@@ -1,0 +1,79 @@
+"""`quantization="auto"` takes the mode measured best on the CPU kind (issue 41's rule): `gguf-bf16` for a
+GGUF file on a CPU with AMX where the compiled kernels run it, the output-exact `gguf` everywhere else; an
+explicit mode is never changed. The CPU's flags and the kernels' abilities are set per case here, so every
+branch runs on every machine; the engine case checks what an engine on this machine reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from troupe.config import EngineConfig
+from troupe.kernels import select
+from troupe.kernels.cpu import linear as cpu_linear
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
+
+
+Machine = Callable[[frozenset[str], bool], None]
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch) -> Machine:
+    """Set the CPU's flags and whether the compiled bf16 kernels run: `machine(flags, runs)`."""
+    def set_machine(flags: frozenset[str], runs: bool) -> None:
+        monkeypatch.setattr(select, "_cpu_flags", lambda: flags)
+        monkeypatch.setattr(cpu_linear, "bf16_unsupported", lambda: None if runs else "built for avx2")
+        monkeypatch.setattr("troupe.kernels.cpu.available", lambda: True)
+    return set_machine
+
+
+@pytest.mark.parametrize(("flags", "runs", "config", "gguf", "device", "want"), [
+    (AMX, True, {}, True, CPU, "gguf-bf16"),
+    (AMX, True, {"kernels": "cpu"}, True, CPU, "gguf-bf16"),
+    (AMX, False, {}, True, CPU, "auto"),  # TROUPE_CPU_ISA=avx2: the kernels have no bf16 path
+    (AVX512_BF16, True, {}, True, CPU, "auto"),  # not measured on an AVX-512 CPU without AMX: exact
+    (frozenset({"avx2", "fma"}), True, {}, True, CPU, "auto"),
+    (AMX, True, {}, False, CPU, "auto"),  # a Hugging Face folder
+    (AMX, True, {}, True, CUDA, "auto"),
+    (AMX, True, {"kernels": "eager"}, True, CPU, "auto"),
+    (AMX, True, {"quantization": "gguf"}, True, CPU, "gguf"),
+    (AMX, True, {"quantization": "gguf-q8"}, True, CPU, "gguf-q8"),
+    (AVX512_BF16, True, {"quantization": "gguf-bf16"}, True, CPU, "gguf-bf16"),
+], ids=["amx", "amx-cpu-set", "amx-avx2-build", "avx512-bf16", "avx2", "hf-folder", "cuda", "eager",
+        "explicit-gguf", "explicit-q8", "explicit-bf16"])
+def test_auto_takes_the_measured_mode_of_the_cpu_kind(machine: Machine, flags: frozenset[str], runs: bool,
+                                                      config: dict[str, str], gguf: bool, device: torch.device,
+                                                      want: str) -> None:
+    machine(flags, runs)
+    assert select.default_quantization(EngineConfig(**config), gguf, device) == want
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from troupe.kernels.quant import QType
+    from troupe.models.tiny import make_tiny_gguf
+
+    path, _ = make_tiny_gguf(tmp_path_factory.mktemp("auto-mode") / "m", default_qtype=QType.Q4_1)
+    return path
+
+
+@pytest.mark.slow
+def test_an_engine_reports_the_mode_it_runs(tiny_gguf_llama: Path) -> None:
+    """The runner resolves `auto` once and builds its kernels and weights in that mode: `gguf-bf16`
+    (a bf16 kernel set) on this machine if it has AMX and the bf16 kernels, else `gguf`."""
+    from troupe.core.model_runner import ModelRunner
+    from troupe.kernels.cpu import available
+    from troupe.kernels.cpu.build import cpu_flags
+
+    runner = ModelRunner(EngineConfig(model=str(tiny_gguf_llama), num_kv_blocks=16, kernels="cpu"))
+    amx = "amx_bf16" in cpu_flags() and cpu_linear.bf16_unsupported() is None and available()
+    assert runner.quantization == ("gguf-bf16" if amx else "auto")
+    assert getattr(runner.kernels, "bf16", False) is amx
+    exact = ModelRunner(EngineConfig(model=str(tiny_gguf_llama), num_kv_blocks=16, kernels="cpu", quantization="gguf"))
+    assert exact.quantization == "gguf" and getattr(exact.kernels, "bf16", True) is False
