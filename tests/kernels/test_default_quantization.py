@@ -13,7 +13,6 @@ import torch
 
 from troupe.config import EngineConfig
 from troupe.kernels import select
-from troupe.kernels.cpu import linear as cpu_linear
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -28,8 +27,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> Machine:
     """Set the CPU's flags and whether the compiled bf16 kernels run: `machine(flags, runs)`."""
     def set_machine(flags: frozenset[str], runs: bool) -> None:
         monkeypatch.setattr(select, "_cpu_flags", lambda: flags)
-        monkeypatch.setattr(cpu_linear, "bf16_unsupported", lambda: None if runs else "built for avx2")
-        monkeypatch.setattr("troupe.kernels.cpu.available", lambda: True)
+        monkeypatch.setattr("troupe.kernels.cpu.bf16_runs", lambda: runs)
     return set_machine
 
 
@@ -68,11 +66,11 @@ def test_an_engine_reports_the_mode_it_runs(tiny_gguf_llama: Path) -> None:
     """The runner resolves `auto` once and builds its kernels and weights in that mode: `gguf-bf16`
     (a bf16 kernel set) on this machine if it has AMX and the bf16 kernels, else `gguf`."""
     from troupe.core.model_runner import ModelRunner
-    from troupe.kernels.cpu import available
+    from troupe.kernels.cpu import bf16_runs
     from troupe.kernels.cpu.build import cpu_flags
 
     runner = ModelRunner(EngineConfig(model=str(tiny_gguf_llama), num_kv_blocks=16, kernels="cpu"))
-    amx = "amx_bf16" in cpu_flags() and cpu_linear.bf16_unsupported() is None and available()
+    amx = "amx_bf16" in cpu_flags() and bf16_runs()
     assert runner.quantization == ("gguf-bf16" if amx else "auto")
     assert getattr(runner.kernels, "bf16", False) is amx
     exact = ModelRunner(EngineConfig(model=str(tiny_gguf_llama), num_kv_blocks=16, kernels="cpu", quantization="gguf"))

@@ -123,9 +123,11 @@ def default_troupe_configs(isa: str = "native") -> list[str]:
     if "gguf-q8" in modes:
         configs.append("troupe-q8:quantization=gguf-q8")
     if "gguf-bf16" in modes and isa == "native" and "avx512_bf16" in cpu_flags():
-        from troupe.kernels import select  # a checkout whose `auto` takes the bf16 mode on AMX
+        import torch
 
-        bf16_default = "amx_bf16" in cpu_flags() and hasattr(select, "default_quantization")
+        from troupe.kernels.select import default_quantization
+
+        bf16_default = default_quantization(config.EngineConfig(), True, torch.device("cpu")) == "gguf-bf16"
         configs.append("troupe-exact:quantization=gguf" if bf16_default else "troupe-bf16:quantization=gguf-bf16")
     return configs
 

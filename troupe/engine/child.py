@@ -213,9 +213,7 @@ async def _build_and_run(config: EngineConfig, engine_index: int, make_core: Mak
         await to_wire_send.send(EngineStartupFailed(engine_index, exc.cause_type, exc.cause_message,
                                                     exc.engine_traceback))
         with anyio.move_on_after(SHUTDOWN_WAIT_S):
-            async for msg in from_wire_recv:
-                if isinstance(msg, EngineShutdown):
-                    break
+            await _until_shutdown(from_wire_recv)
         return EXIT_FAILED
     await to_wire_send.send(ready_info(core, engine_index))
     with startup_heap_frozen():
@@ -281,8 +279,14 @@ async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectS
     actor = EngineCoreActor(core, inbox, outbox.clone(), engine_index=engine_index)
     await actor.run()
     if actor.failed:
-        async for msg in inbox:
-            if isinstance(msg, EngineShutdown):
-                break
+        await _until_shutdown(inbox)
     log.info("engine process exiting", failed=actor.failed)
     return EXIT_FAILED if actor.failed else EXIT_OK
+
+
+async def _until_shutdown(inbox: MemoryObjectReceiveStream[ToEngine]) -> None:
+    """Drop what the frontend sends until its `EngineShutdown` (or the end of the stream): after a
+    failure the engine's last message must not be lost to `linger=0` by leaving first."""
+    async for msg in inbox:
+        if isinstance(msg, EngineShutdown):
+            return

@@ -1,14 +1,14 @@
 """The frontend's engine sides: what the graph holds for each engine, wherever that engine runs.
 
 Every side takes the same pair of stream ends from the graph (`EngineInput` in, `EngineOutput` out),
-start with `await tg.start(side.run)` (returning once the engine is ready, or raising
-`EngineStartupError`), then expose `ready` (an `EngineReady`: limits, model path, KV blocks) and
+starts with `await tg.start(side.run)` (returning once the engine is ready, or raising
+`EngineStartupError`), then exposes `ready` (an `EngineReady`: limits, model path, KV blocks) and
 `pids`. Nothing else in the graph or the facades knows which one runs.
 
-- `InProcessEngine` (troupe.engine_side.in_process, `multiprocess=False`, for debugging): builds the EngineCore in a worker thread
-  and runs the `EngineCoreActor` in the graph's task group.
-- `EngineProcess` (troupe.engine_side.engine_process, the default): the same actor in a spawned process,
-  behind a ZMQ bridge; or (`remote=True`) in a headless engine that joins over TCP.
+- `InProcessEngine` (troupe.engine_side.in_process, `multiprocess=False`, for debugging): builds the
+  EngineCore in a worker thread and runs the `EngineCoreActor` in the graph's task group.
+- `EngineProcess` (troupe.engine_side.engine_process, the default): the same actor in a spawned
+  process, behind a ZMQ bridge; or (`remote=True`) in a headless engine that joins over TCP.
 - `RayEngine` (troupe.engine_side.ray_engine, `data_parallel_backend="ray"`): that headless engine in
   a Ray actor the side places and owns.
 

@@ -55,10 +55,9 @@ def default_quantization(config: EngineConfig, gguf_file: bool, device: torch.de
     if (config.quantization != "auto" or not gguf_file or device.type != "cpu" or config.kernels not in ("auto", "cpu")
             or "amx_bf16" not in _cpu_flags()):
         return config.quantization
-    from troupe.kernels.cpu import available
-    from troupe.kernels.cpu.linear import bf16_unsupported
+    from troupe.kernels.cpu import bf16_runs
 
-    return "gguf-bf16" if bf16_unsupported() is None and available() else config.quantization
+    return "gguf-bf16" if bf16_runs() else config.quantization
 
 
 def _cpu_flags() -> frozenset[str]:

@@ -60,6 +60,18 @@ def available() -> bool:
     return all(load_ops(name, sources) for name, sources in EXTENSIONS.items())
 
 
+def bf16_built() -> bool:
+    """Whether the loaded kernels hold the avx512_bf16 path (a compiler that does not target it leaves
+    it out); call after `available()`."""
+    return bool(torch.ops.troupe_qmm.bf16_kernels())
+
+
+def bf16_runs() -> bool:
+    """Whether `CpuKernels(bf16=True)` ("gguf-bf16") runs here: the CPU and the build ISA have
+    avx512_bf16, the set builds, and the build holds the bf16 path."""
+    return qlinear.bf16_unsupported() is None and available() and bf16_built()
+
+
 class Bf16Unsupported(BuildError):
     """The "gguf-bf16" mode cannot run here; the message says what the CPU or the build lacks."""
 
@@ -77,7 +89,7 @@ class CpuKernels(EagerKernels):
             raise Bf16Unsupported(reason)
         if not available():
             raise BuildError("the compiled CPU kernels cannot be built here (see the warning logged above)")
-        if bf16 and torch.ops.troupe_qmm.bf16_kernels() == 0:
+        if bf16 and not bf16_built():
             raise Bf16Unsupported("the compiled kernels were built without avx512_bf16 (the compiler does not "
                                   "target it)")
         super().__init__(decode_row_cache_bytes=0)
