@@ -45,13 +45,33 @@ async def until_idle(llm: AsyncLLM) -> None:
             await anyio.sleep(0.02)
 
 
+def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """This process sees `count` GPUs (its spawned engines find none and run on the CPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(entry.decode().partition("=")[::2] for entry in raw.split(b"\0") if entry)
+
+
 @pytest.mark.parametrize("mode", ["in-process", "multiprocess"])
 async def test_two_engines_share_200_requests(tiny_llama: Path, ipc_root: str, check_leftovers: Any,
-                                              mode: str) -> None:
+                                              mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if mode == "multiprocess":  # one GPU per rank: the parent sees two (fake), each rank is given its own
+        fake_gpus(monkeypatch, 2)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,3")
     async with AsyncLLM(str(tiny_llama), data_parallel_size=2, multiprocess=mode == "multiprocess",
                         ipc_dir=ipc_root, **ENGINE) as llm:
         graph = llm._graph
         assert graph is not None and graph.balancer is not None
+        if mode == "multiprocess":
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "5,3"  # the parent's own is left as it was
+            seen = [process_environ(pid).get("CUDA_VISIBLE_DEVICES") for e in graph.engines for pid in e.pids]
+            assert seen == ["5", "3"]  # rank r: the r-th GPU this process may use
         results: dict[int, int] = {}
 
         async def one(i: int) -> None:  # mixed prompt and output lengths
@@ -99,6 +119,48 @@ async def test_two_engines_share_200_requests(tiny_llama: Path, ipc_root: str, c
         with pytest.raises(InvalidInputError, match=r"data_parallel_rank: must be in \[0, 1\]"):
             await llm.add_request("x", greedy(2), "bad", data_parallel_rank=2)
         await llm.check_health()
+    check_leftovers()
+
+
+def test_rank_gpu_assignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rank_gpu`: rank r of several local engines gets the r-th GPU; nothing to assign on the CPU, for one
+    engine or where no GPU is visible; fewer GPUs than local ranks is an error before anything starts."""
+    from troupe.config import EngineConfig
+    from troupe.process.launch import rank_gpu
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    fake_gpus(monkeypatch, 4)
+    three = EngineConfig(model="m", data_parallel_size=3)
+    assert [rank_gpu(three, r) for r in range(3)] == [{"CUDA_VISIBLE_DEVICES": str(r)} for r in range(3)]
+    local = EngineConfig(model="m", data_parallel_size=4, data_parallel_size_local=2,
+                         data_parallel_address="tcp://127.0.0.1:5000")
+    assert [rank_gpu(local, r) for r in range(2)] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    assert rank_gpu(EngineConfig(model="m"), 0) == {}  # one engine: it sees every GPU, uses the first
+    assert rank_gpu(EngineConfig(model="m", data_parallel_size=3, device="cpu"), 1) == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7, 2,4,1")
+    assert rank_gpu(three, 1) == {"CUDA_VISIBLE_DEVICES": "2"}
+    fake_gpus(monkeypatch, 2)
+    for config, field in ((three, "data_parallel_size"), (EngineConfig(model="m", data_parallel_size=5,
+                          data_parallel_size_local=3, data_parallel_address="tcp://127.0.0.1:5000"),
+                          "data_parallel_size_local")):
+        with pytest.raises(InvalidInputError, match=rf"{field}: 3 local engines on device='auto' need one GPU each, "
+                           "and this process sees 2"):
+            rank_gpu(config, 0)
+    fake_gpus(monkeypatch, 0)
+    assert rank_gpu(three, 2) == {}  # "auto" with no GPU: every rank on the CPU
+
+
+@pytest.mark.parametrize("multiprocess", [True, False])
+async def test_too_few_gpus_for_the_local_ranks(tiny_llama: Path, ipc_root: str, monkeypatch: pytest.MonkeyPatch,
+                                                check_leftovers: Any, multiprocess: bool) -> None:
+    """Three spawned ranks on two GPUs, or two in-process ranks on CUDA, fail the start-up naming the field;
+    no engine is spawned."""
+    fake_gpus(monkeypatch, 2)
+    ranks, field = (3, "data_parallel_size") if multiprocess else (2, "multiprocess")
+    with pytest.raises(InvalidInputError, match=rf"^{field}: {ranks} "):
+        async with AsyncLLM(str(tiny_llama), data_parallel_size=ranks, multiprocess=multiprocess, ipc_dir=ipc_root,
+                            **ENGINE):
+            pass
     check_leftovers()
 
 

@@ -29,7 +29,9 @@ from troupe.engine.build import MakeCore
 from troupe.engine_side.engine_process import EngineProcess
 from troupe.engine_side.in_process import InProcessEngine
 from troupe.engine_side.ray_engine import RayEngine
+from troupe.errors import InvalidInputError
 from troupe.messages import EngineInput, EngineOutput
+from troupe.process.launch import rank_gpu
 from troupe.process.protocol import EngineReady
 
 
@@ -50,10 +52,16 @@ def make_engine_side(config: EngineConfig, inbox: MemoryObjectReceiveStream[Engi
                      make_core: MakeCore | None = None, engine_index: int = 0) -> EngineSide:
     """Rank `engine_index`'s side: ranks below `num_local_engines` start here (in this process with
     `multiprocess=False`, else in a spawned one); the others are headless engines that join over TCP;
-    with `data_parallel_backend="ray"` every rank is a Ray actor (troupe.engine_side.ray_engine)."""
+    with `data_parallel_backend="ray"` every rank is a Ray actor (troupe.engine_side.ray_engine).
+
+    Raises `InvalidInputError` before anything starts when local ranks cannot have a GPU each on CUDA
+    (`rank_gpu`: fewer GPUs than spawned ranks; several ranks in this process)."""
     if config.data_parallel_backend == "ray":
         return RayEngine(config, inbox, outbox, engine_index=engine_index)
     remote = engine_index >= config.num_local_engines
+    if not remote and rank_gpu(config, engine_index) and not config.multiprocess:
+        raise InvalidInputError("multiprocess", f"{config.num_local_engines} data-parallel ranks on CUDA need a "
+                                "process and a GPU each: leave multiprocess=True")
     if not remote and not config.multiprocess:
         return InProcessEngine(config, inbox, outbox, make_core=make_core, engine_index=engine_index)
     return EngineProcess(config, inbox, outbox, make_core=None if remote else make_core,

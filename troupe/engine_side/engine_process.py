@@ -14,8 +14,9 @@ Shutdown: on cancellation (graph shutdown), shielded and bounded: `EngineShutdow
 Start-up, `await tg.start(engine.run)`:
 1. make a private dir (mode 0700) for the ipc socket and bind the ROUTER there (or at `engine_address`);
 2. spawn the child from the event-loop thread (the child's PR_SET_PDEATHSIG follows the thread that
-   forked it, so never from a short-lived worker thread), with the OpenMP settings of `launch.engine_omp_settings` and
-   without re-importing the program's `__main__` in it (`launch.bare_main`);
+   forked it, so never from a short-lived worker thread), with the OpenMP settings of `launch.engine_omp_settings`,
+   its own GPU when several local ranks run on CUDA (`launch.rank_gpu`: `CUDA_VISIBLE_DEVICES`, one device
+   per rank) and without re-importing the program's `__main__` in it (`launch.bare_main`);
 3. on `EngineHello` the child is connected: remove the ipc dir at once (the connection does not
    need the file, so even a parent SIGKILLed later leaves nothing behind);
 4. `EngineReady` -> `task_status.started()`; `EngineStartupFailed`, the child's exit or
@@ -69,6 +70,7 @@ from troupe.process.launch import (
     engine_environment,
     private_address,
     rank_address,
+    rank_gpu,
 )
 from troupe.process.logs import EngineLog, reemit
 from troupe.process.protocol import (
@@ -220,14 +222,15 @@ class EngineProcess:
     # ------------------------------------------------------------------ start-up
 
     def _spawn(self, address: str) -> BaseProcess:
+        gpu = rank_gpu(self.config, self.engine_index)  # raises before anything starts: too few GPUs
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_process, name=f"troupe-engine-{self.engine_index}", daemon=True,
             kwargs=dict(config=self.config, address=address, engine_index=self.engine_index,
                         parent_pid=os.getpid(), make_core=self._make_core,
                         log_level="trace" if trace_enabled() else None))
-        with engine_environment(), bare_main():
+        with engine_environment(gpu), bare_main():
             proc.start()
-        log.info("engine process started", pid=proc.pid, address=address)
+        log.info("engine process started", pid=proc.pid, address=address, **gpu)
         return proc
 
     async def _handshake(self, messages: MemoryObjectReceiveStream[FromEngine], ipc_dir: str | None,

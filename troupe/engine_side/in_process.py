@@ -1,7 +1,9 @@
 """`InProcessEngine`: the engine side in the frontend's own process (`multiprocess=False`).
 
 Builds the EngineCore in a worker thread, then runs the `EngineCoreActor` in the graph's task group on
-the graph's two stream ends, with no process or wire between them.
+the graph's two stream ends, with no process or wire between them. Several in-process ranks share the
+process, so they cannot each take a GPU: on CUDA, `make_engine_side` refuses them (an `InvalidInputError`
+naming `multiprocess`; spawned ranks get one GPU each, `troupe.process.launch.rank_gpu`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
   PORT + r).
 - `connect_address`: where a local child connects to the bound endpoint (a wildcard host is this one).
 - `bare_main` and `engine_environment`: the few milliseconds around `Process.start()`.
+- `rank_gpu`: which GPU a local data-parallel rank's process gets (its `CUDA_VISIBLE_DEVICES`).
 - `describe_exit`: an exit code in words ("was killed by SIGKILL").
 """
 
@@ -21,6 +22,7 @@ import types
 from collections.abc import Iterator
 
 from troupe.config import EngineConfig
+from troupe.errors import InvalidInputError
 
 MAX_IPC_PATH = 100  # sockaddr_un.sun_path is 108 bytes on Linux
 
@@ -107,13 +109,42 @@ def engine_omp_settings() -> dict[str, str]:
     return {"GOMP_SPINCOUNT": ENGINE_SPIN_COUNT}
 
 
+def rank_gpu(config: EngineConfig, engine_index: int) -> dict[str, str]:
+    """The environment that gives local rank `engine_index` its own GPU: `CUDA_VISIBLE_DEVICES` naming the
+    rank-th GPU this process may use (the rank-th entry of its own `CUDA_VISIBLE_DEVICES` where set), so that
+    each spawned engine sees one device, as `cuda:0`. Empty where there is nothing to assign: one local
+    engine, `device="cpu"`, or no GPU visible here (`device="auto"` then runs on the CPU; `"cuda"` fails in
+    the engine with its own message). Raises `InvalidInputError` when there are fewer GPUs than local ranks:
+    two ranks on one GPU would each size their KV pool from the same free memory."""
+    ranks = config.num_local_engines
+    if ranks <= 1 or config.device == "cpu":
+        return {}
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return {}
+    if count < ranks:
+        local = "data_parallel_size_local" if config.data_parallel_size_local is not None else "data_parallel_size"
+        raise InvalidInputError(local, f"{ranks} local engines on device={config.device!r} need one GPU each, and "
+                                f"this process sees {count}: lower {local} to at most {count}, or use device='cpu'")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",")] if visible is not None else [str(i) for i in range(count)]
+    return {"CUDA_VISIBLE_DEVICES": names[engine_index]}
+
+
 @contextlib.contextmanager
-def engine_environment() -> Iterator[None]:
-    """`engine_omp_settings()` in the environment a spawned child inherits, while it starts."""
-    settings = engine_omp_settings()
+def engine_environment(extra: dict[str, str] | None = None) -> Iterator[None]:
+    """`engine_omp_settings()` and `extra` in the environment a spawned child inherits, while it starts; the
+    parent's own values come back afterwards."""
+    settings = {**engine_omp_settings(), **(extra or {})}
+    saved = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
         yield
     finally:
-        for name in settings:
-            os.environ.pop(name, None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
