@@ -46,13 +46,16 @@ class ScriptedCore:
         self.hold_step, self.fail_step, self.reject = hold_step, fail_step, reject
         self.holding = threading.Event()
         self.release = threading.Event()
+        self.threads: set[int] = set()  # every thread that called into the core
 
     def add_request(self, req: Any) -> None:
+        self.threads.add(threading.get_ident())
         if req.request_id in self.reject:
             raise InvalidInputError("prompt", "scripted rejection")
         self.running[req.request_id] = req.max_tokens
 
     def abort_requests(self, ids: list[str]) -> None:
+        self.threads.add(threading.get_ident())
         for rid in ids:
             if self.running.pop(rid, None) is not None:
                 self.unreported.append(rid)
@@ -64,6 +67,7 @@ class ScriptedCore:
         return bool(self.unreported)
 
     def step(self) -> EngineCoreOutputs:
+        self.threads.add(threading.get_ident())
         self.steps += 1
         if self.steps == self.hold_step:
             self.holding.set()
@@ -132,17 +136,22 @@ async def running(core: ScriptedCore) -> AsyncIterator[Actor]:
 
 async def test_requests_step_until_they_finish_and_the_closed_inbox_ends_the_actor() -> None:
     """Two adds are stepped together, each until its `max_tokens`; once the inbox closes and nothing
-    is left the actor returns and closes its outbox."""
+    is left the actor returns and closes its outbox. Adds, aborts and steps all run on one thread, the
+    actor's own step thread (not the event loop's, not one of a pool's), which has ended with the actor."""
     async with running(ScriptedCore()) as a:
         await a.inbox.send(add_request("a", max_tokens=2))
         await a.inbox.send(add_request("b", max_tokens=3))
         tokens = await a.until_finished("a", "b")
         assert len(tokens["a"]) == 2 and len(tokens["b"]) == 3
+        [thread] = a.core.threads
+        assert thread != threading.get_ident()
+        assert [t.name for t in threading.enumerate() if t.ident == thread] == ["troupe-step-3"]
         await a.inbox.aclose()
         await a.ended.wait()
         with pytest.raises(anyio.EndOfStream):
             await a.outbox.receive()
         assert a.actor.statistics().steps == a.core.steps and not a.actor.failed
+        assert "troupe-step-3" not in {t.name for t in threading.enumerate()}  # joined when the actor ended
 
 
 async def test_adds_and_aborts_arriving_during_a_step_wait_for_the_next_one() -> None:
@@ -161,6 +170,7 @@ async def test_adds_and_aborts_arriving_during_a_step_wait_for_the_next_one() ->
         assert isinstance(first, EngineCoreOutputs) and [o.request_id for o in first.outputs] == ["a"]
         assert (await a.until_finished("b")) == {"b": [2]}
         assert "a" not in core.running and core.steps == 2
+        assert len(core.threads) == 1 and threading.get_ident() not in core.threads  # the step thread alone
 
 
 async def test_a_rejected_add_fails_that_request_alone() -> None:

@@ -1,4 +1,4 @@
-"""The engine-core actor: runs an `EngineCore`, stepping in a worker thread.
+"""The engine-core actor: runs an `EngineCore` in its own step thread, fed by the event loop.
 
 Inbox:    `EngineInput` (AddRequest, AbortRequest, UtilityCall) from the frontend; in an engine process
           the bridge's stream itself (`ToEngine`), so also `EngineShutdown` (stop: below) and a
@@ -8,15 +8,24 @@ Outbox:   `EngineOutput`: one `EngineCoreOutputs` per step, `UtilityResult`s, an
           if the engine fails (then the actor stops stepping). A failure that belongs to one
           request (its add raising, or anything `EngineCore.step` pins on it) is that request's
           error output instead, and the engine goes on.
-Owns:     the EngineCore (not thread-safe: it is only touched by one task at a time, either the
-          step thread or, between steps, the event loop).
+Owns:     the EngineCore (not thread-safe: only the step thread touches it once the actor runs) and
+          that thread.
 Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are done;
           `EngineShutdown` ends it after the step in flight, whatever is still running (the
           frontend aborted or gave up on it); cancelling its task group waits for the step in flight
           (a thread cannot be interrupted). After `EngineDead` the actor returns.
 
-The inbox reader never waits for the model: messages are queued in `_pending` while a step runs
-and applied between steps, so adds and aborts keep flowing during a forward pass.
+Two halves (issue 43, "engine loop without a thread-pool hop per step"). The step thread, one per
+actor for its whole life, loops: take what the inbox brought (`_pending`), apply it (adds, aborts,
+utility calls), run a step, queue the outputs (`_emit`), and go on at once; it sleeps on a condition only
+when there is nothing to run. The event loop reads the inbox into `_pending` (never waiting for the
+model: adds and aborts keep flowing during a forward pass and are applied between steps) and sends what
+the thread queued to the outbox, in order (`_forward`). The thread wakes the loop only when the
+forwarder sleeps (one `call_soon_threadsafe`, troupe runs on asyncio), and runs at most `MAX_AHEAD`
+outputs ahead of it, so the outbox's back-pressure still reaches the model. Against a thread-pool call per
+step (`anyio.to_thread.run_sync`: a hop to the pool and one back to the loop before the next step can
+start) this saves the round trip: measured on the null model, one request, 2-core Xeon (AMX), 0.15-0.18 ms
+of a 0.28-0.31 ms step.
 
 Logs: every line carries `actor=engine_core`, `engine=` (the DP rank) and `step=` (the number of the
 step being prepared or run, 1-based); lines about a request carry the user's id as `request_id=`,
@@ -27,8 +36,12 @@ from the EngineCore, "request scheduled", "request finished in engine" and one "
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import threading
 import time
 import traceback
+from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple, assert_never
 
 import anyio
@@ -60,6 +73,7 @@ log = structlog.get_logger("troupe.engine")
 
 # Methods the frontend may call on the engine with a UtilityCall.
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "echo", "fail"})
+MAX_AHEAD = 2  # outputs the step thread may have queued that the event loop has not sent on yet
 
 
 class EngineActorStats(NamedTuple):
@@ -75,10 +89,15 @@ class EngineCoreActor:
         self._inbox = inbox
         self._outbox = outbox
         self.engine_index = engine_index
+        # shared with the step thread, under `_cond`: what the inbox brought, what the thread produced
+        self._cond = threading.Condition()
         self._pending: list[EngineInput] = []
-        self._wakeup = anyio.Event()
         self._inbox_closed = False
-        self._shutdown = False  # EngineShutdown read: stop after the step in flight
+        self._stop = False  # EngineShutdown read, or the actor cancelled: stop after the step in flight
+        self._out: deque[EngineOutput] = deque()
+        self._thread_done = False
+        self._out_waiter: tuple[asyncio.AbstractEventLoop, anyio.Event] | None = None  # the forwarder, asleep
+        self._crash: BaseException | None = None  # what the step thread raised outside a step
         self._steps = 0
         self.failed = False  # set once EngineDead was sent
 
@@ -87,12 +106,25 @@ class EngineCoreActor:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)
+        context = contextvars.copy_context()  # the step thread logs with the actor's bindings
+        thread = threading.Thread(target=context.run, args=(self._step_thread,), daemon=True,
+                                  name=f"troupe-step-{self.engine_index}")
         async with self._outbox:
-            task_status.started()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._read_inbox)
-                await self._step_loop(self.core)
-                tg.cancel_scope.cancel()
+            thread.start()
+            try:
+                task_status.started()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._read_inbox)
+                    await self._forward()
+                    tg.cancel_scope.cancel()
+            finally:  # cancelled, or done: the thread stops after its step in flight (it cannot be interrupted)
+                with self._cond:
+                    self._stop = True
+                    self._cond.notify_all()
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(thread.join)
+        if self._crash is not None:
+            raise self._crash
 
     async def _read_inbox(self) -> None:
         async for msg in self._inbox:
@@ -101,45 +133,100 @@ class EngineCoreActor:
                     if trace_enabled() and isinstance(msg, AddRequest):
                         trace(log, "request received", request_id=msg.external_id, internal_id=msg.request_id,
                               step=self._steps + 1)
-                    self._pending.append(msg)
+                    with self._cond:
+                        self._pending.append(msg)
+                        self._cond.notify()
                 case EngineShutdown():
-                    self._shutdown = True
-                    break
+                    with self._cond:
+                        self._stop = True
+                        self._cond.notify()
+                    return
                 case EngineStart():
                     log.warning("EngineStart after start-up ignored")
-                    continue
                 case _:
                     assert_never(msg)
-            self._wakeup.set()
-        self._inbox_closed = True
-        self._wakeup.set()
+        with self._cond:
+            self._inbox_closed = True
+            self._cond.notify()
 
-    async def _step_loop(self, core: EngineCore) -> None:
-        while not self._shutdown:
-            structlog.contextvars.bind_contextvars(step=self._steps + 1)
-            await self._apply_pending(core)
-            if not core.has_unfinished_requests():
-                if core.has_unreported_finishes():
-                    # aborts emptied the engine: publish that (stats, finished ids) without a model step
-                    await self._outbox.send(core.step())
-                if self._inbox_closed:
+    async def _forward(self) -> None:
+        """The event loop's half: what the step thread produced, to the outbox in order, until the thread is
+        done. The thread only wakes this task when it sleeps (`_out_waiter`), one `call_soon_threadsafe`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                items = list(self._out)
+                self._out.clear()
+                if items:
+                    self._cond.notify_all()  # room for a thread waiting in `_emit`
+                elif self._thread_done:
                     return
-                await self._wakeup.wait()
-                self._wakeup = anyio.Event()
+                else:
+                    event = anyio.Event()
+                    self._out_waiter = (loop, event)
+            if not items:
+                await event.wait()
                 continue
-            try:
-                outputs = await anyio.to_thread.run_sync(core.step)
-            except Exception as exc:  # the engine is broken: say so, and stop
-                log.error("engine step failed", exc_info=exc)
-                reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                self.failed = True
-                await self._outbox.send(EngineDead(reason=reason, engine_index=self.engine_index))
-                return
-            self._steps += 1
-            await hand_over(self._outbox, outputs)
+            for item in items:
+                await hand_over(self._outbox, item)
 
-    async def _apply_pending(self, core: EngineCore) -> None:
-        pending, self._pending = self._pending, []
+    # ------------------------------------------------------------------ the step thread
+
+    def _emit(self, item: EngineOutput) -> None:
+        """Queue `item` for the forwarder (waiting while `MAX_AHEAD` are queued: the outbox's back-pressure
+        reaches the thread) and wake the forwarder if it sleeps."""
+        with self._cond:
+            while len(self._out) >= MAX_AHEAD and not self._stop:
+                self._cond.wait()
+            self._out.append(item)
+            waiter, self._out_waiter = self._out_waiter, None
+        if waiter is not None:
+            waiter[0].call_soon_threadsafe(waiter[1].set)
+
+    def _step_thread(self) -> None:
+        """Apply what the inbox brought and step, in turn, until the inbox closes with nothing left to run
+        or the actor stops; the only thread that touches the core once the actor runs."""
+        try:
+            self._step_loop(self.core)
+        except BaseException as exc:  # a bug of the actor's own, not a step's: `run` raises it
+            self._crash = exc
+        finally:
+            with self._cond:
+                self._thread_done = True
+                waiter, self._out_waiter = self._out_waiter, None
+            if waiter is not None:
+                waiter[0].call_soon_threadsafe(waiter[1].set)
+
+    def _step_loop(self, core: EngineCore) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending or self._stop or self._inbox_closed or core.has_unfinished_requests()
+                           or core.has_unreported_finishes()):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                pending, self._pending = self._pending, []
+                closed = self._inbox_closed
+            structlog.contextvars.bind_contextvars(step=self._steps + 1)
+            self._apply_pending(core, pending)
+            if core.has_unfinished_requests():
+                try:
+                    outputs = core.step()
+                except Exception as exc:  # the engine is broken: say so, and stop
+                    log.error("engine step failed", exc_info=exc)
+                    reason = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                    self.failed = True
+                    self._emit(EngineDead(reason=reason, engine_index=self.engine_index))
+                    return
+                self._steps += 1
+                self._emit(outputs)
+            elif core.has_unreported_finishes():
+                # aborts emptied the engine: publish that (stats, finished ids) without a model step
+                self._emit(core.step())
+            elif closed and not self._pending:
+                return
+
+    def _apply_pending(self, core: EngineCore, pending: list[EngineInput]) -> None:
         errors: list[EngineCoreOutput] = []
         for msg in pending:
             match msg:
@@ -159,12 +246,12 @@ class EngineCoreActor:
                 case AbortRequest():
                     core.abort_requests(msg.request_ids)
                 case UtilityCall():
-                    await self._outbox.send(self._call_utility(core, msg))
+                    self._emit(self._call_utility(core, msg))
                 case _:
                     assert_never(msg)
         if errors:
-            await self._outbox.send(EngineCoreOutputs(engine_index=self.engine_index, outputs=errors,
-                                                      finished_requests=[e.request_id for e in errors]))
+            self._emit(EngineCoreOutputs(engine_index=self.engine_index, outputs=errors,
+                                         finished_requests=[e.request_id for e in errors]))
 
     def _call_utility(self, core: EngineCore, call: UtilityCall) -> UtilityResult:
         try:
