@@ -10,20 +10,35 @@ import pytest
 from troupe.bench import host
 
 
+def _tables(out: str) -> list[dict[str, dict[str, float]]]:
+    """Each markdown table of the output: {B: {column: value}}."""
+    tables: list[list[str]] = []
+    for line in out.splitlines():
+        if line.startswith("| "):
+            tables[-1].append(line) if tables and tables[-1] else tables.append([line])
+        elif tables and tables[-1] and not line.startswith("|---"):
+            tables.append([])
+    parsed = []
+    for lines in filter(None, tables):
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        parsed.append({cells[0]: {name: float(cell.split()[0]) for name, cell in zip(header[1:], cells[1:], strict=True)}
+                       for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])})
+    return parsed
+
+
 def _table(out: str) -> dict[str, dict[str, float]]:
-    lines = [line for line in out.splitlines() if line.startswith("| ")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["B", *host.PHASES]
-    return {cells[0]: {name: float(cell.split()[0]) for name, cell in zip(header[1:], cells[1:], strict=True)}
-            for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+    first = [line for line in out.splitlines() if line.startswith("| ")][0]
+    assert [c.strip() for c in first.strip("|").split("|")] == ["B", *host.PHASES]
+    return _tables(out)[0]
 
 
 @pytest.mark.parametrize("null", [False, True], ids=["tiny-gguf", "null-model"])
 def test_each_batch_prints_every_phase(tiny_gguf: Path, null: bool, capsys: pytest.CaptureFixture[str]) -> None:
-    """One row per batch size; every timed phase is measured (> 0) and together they stay within the step."""
+    """One row per batch size; every timed phase is measured (> 0) and together they stay within the step; on the
+    null model, the host-cost table and (`--actor`) the engine loop's."""
     argv = ["--model", str(tiny_gguf), "--device", "cpu", "--batches", "1,6", "--context", "12", "--steps", "4",
             "--repeats", "2", "--threads", "1"]
-    assert host.main(argv + (["--null-model"] if null else [])) == 0
+    assert host.main(argv + (["--null-model", "--actor"] if null else [])) == 0
     out = capsys.readouterr().out
     assert ("null model on cpu" in out) is null
     rows = _table(out)
@@ -32,6 +47,20 @@ def test_each_batch_prints_every_phase(tiny_gguf: Path, null: bool, capsys: pyte
         assert [k for k in ("step", "schedule", "seqs", "execute", "sampler", "update") if not r[k] > 0] == []
         assert r["sampling rows"] >= 0 and r["rest"] > -0.01
         assert sum(r[k] for k in host.PHASES[1:]) == pytest.approx(r["step"], abs=0.01)
+    if null:  # the host cost: the step less the argmax standing in for the device, per request; the actor's
+        [_, costs, loop] = _tables(out)
+        assert list(loop) == ["1", "6"]
+        for r in loop.values():
+            assert r["bare"] > 0 and r["actor"] > 0 and r["actor overhead"] == pytest.approx(r["actor"] - r["bare"],
+                                                                                               abs=0.002)
+        assert list(costs) == ["1", "6"]
+        for b, c in costs.items():
+            assert c["step"] == rows[b]["step"] and 0 < c["argmax"] < c["step"]
+            assert c["host"] == pytest.approx(c["step"] - c["argmax"], abs=0.002)
+            assert c["host/req"] == pytest.approx(c["host"] / int(b) * 1e3, rel=0.01, abs=0.02)
+        assert "PASS" not in out and "FAIL" not in out  # the verdict needs B = 256
+    else:
+        assert len(_tables(out)) == 1
 
 
 def test_measure_leaves_the_engine_as_it_was(tiny_gguf: Path) -> None:

@@ -17,13 +17,22 @@ runs `--steps` decode steps of all B, each step and each of its phases timed by 
   rest          the step less those: the engine's own bookkeeping, stats, grammar and logprob hooks
 
 Prints the medians over the rounds, in milliseconds per step, with each phase's share. `--null-model`
-runs the engine with no model at all (a fixed token, no compute): the host phases alone. Nothing here is
-a test: it prints figures (docs/benchmarks.md lists the tools).
+runs the engine with no model at all (a fixed token, no compute; `troupe.core.model_runner`): the host
+phases alone, the batch still flattened by the kernel set's `prepare`. Its only device-like work is the
+greedy argmax over the (B, vocab) logits, which stands in for the GPU's sampling: timed inside the step
+(`argmax`, a wrapper around the sampler's `row_argmax`), it is taken off the step to give the host cost per
+request per step,
+`host/req` = (step - argmax) / B in microseconds, the figure issue 43 bounds (<= 6 us at B = 256).
+`--actor` adds the engine loop's own cost: the same decode (B requests of `--steps` tokens) stepped by a
+bare loop and by the engine-core actor on memory streams (its step thread, the event loop sending each
+step's outputs on to a reader), alternated `--repeats` times; the difference is what the actor adds per step.
+Nothing here is a test: it prints figures (docs/benchmarks.md lists the tools).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,6 +41,7 @@ from typing import Any
 from troupe.bench.step import Timers, ints, start_batch
 
 PHASES = ("step", "schedule", "seqs", "execute", "sampling rows", "sampler", "update", "rest")
+HOST_TARGET_US = 6.0  # issue 43: host cost per request per step at 256 rows, on the null model
 
 
 def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync: bool = False,
@@ -56,6 +66,11 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
     for (obj, attr), name in zip(wrapped, ("schedule", "seqs", "execute", "sample all", "sampler", "update"),
                                  strict=True):
         timers.wrap(obj, attr, name)
+    import troupe.core.sampler as sampler_module
+
+    row_argmax = sampler_module.row_argmax
+    if core.runner.null_model:
+        timers.wrap(sampler_module, "row_argmax", "argmax")
     rounds: dict[str, list[float]] = {p: [] for p in PHASES}
     try:
         for _ in range(repeats):
@@ -72,13 +87,64 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
                      "update": per_step["update"]}
             parts["rest"] = step_s - sum(parts.values())
             parts["step"] = step_s
+            if core.runner.null_model:
+                parts["argmax"] = per_step["argmax"]
             for name, value in parts.items():
-                rounds[name].append(value * 1e3)
+                rounds.setdefault(name, []).append(value * 1e3)
     finally:  # the wrappers are instance attributes (execute's sync one under its timer): deleting them
         for obj, attr in wrapped:  # shows the methods again
             delattr(obj, attr)
+        sampler_module.row_argmax = row_argmax
         core.abort_requests(ids)
         core.step()  # publishes the aborts, frees the blocks
+    return {name: statistics.median(v) for name, v in rounds.items()}
+
+
+def measure_actor(core: Any, batch: int, steps: int, repeats: int) -> dict[str, float]:
+    """Median ms per step of `batch` greedy requests of `steps` tokens (4-token prompts), stepped by a bare
+    loop (`bare`) and by the engine-core actor (`actor`), alternated `repeats` times."""
+    import anyio
+
+    from troupe.engine.core_actor import EngineCoreActor
+    from troupe.messages import AddRequest
+    from troupe.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    counter = iter(range(1 << 30))
+
+    def adds() -> list[AddRequest]:
+        return [AddRequest(f"bench-actor-{next(counter)}", [1, 2, 3, 4], params, steps) for _ in range(batch)]
+
+    def bare() -> float:
+        for msg in adds():
+            core.add_request(msg)
+        n, start = 0, time.perf_counter()
+        while core.has_unfinished_requests():
+            core.step()
+            n += 1
+        return (time.perf_counter() - start) / n
+
+    async def actor() -> float:
+        to_actor, inbox = anyio.create_memory_object_stream[Any](batch + 1)
+        outbox, from_actor = anyio.create_memory_object_stream[Any](4)
+        async with to_actor, inbox, from_actor, anyio.create_task_group() as tg:  # the actor closes its outbox
+            await tg.start(EngineCoreActor(core, inbox, outbox).run)
+            start, n, done = time.perf_counter(), 0, 0
+            for msg in adds():
+                await to_actor.send(msg)
+            async for out in from_actor:
+                n += 1
+                done += sum(o.finish_reason is not None for o in out.outputs)
+                if done == batch:
+                    break
+            elapsed = (time.perf_counter() - start) / n
+            await to_actor.aclose()
+        return elapsed
+
+    rounds: dict[str, list[float]] = {"bare": [], "actor": []}
+    for _ in range(repeats):
+        rounds["bare"].append(bare() * 1e3)
+        rounds["actor"].append(anyio.run(actor) * 1e3)
     return {name: statistics.median(v) for name, v in rounds.items()}
 
 
@@ -97,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
     p.add_argument("--sync", action="store_true", help="on a GPU: wait for the step's GPU work inside execute")
+    p.add_argument("--actor", action="store_true", help="also time the engine-core actor against a bare step loop")
     args = p.parse_args(argv)
     for name in ("context", "steps", "repeats"):
         if getattr(args, name) < 1:
@@ -111,8 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_stats_interval_s=None, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(8192, args.context),  # chunked prefill takes larger batches' prompts
         max_model_len=args.context + args.steps * args.repeats + 16))
+    gc.collect()  # as the engine process does once its core is built (troupe.engine.child): the start-up heap
+    gc.freeze()  # is never scanned again by the cyclic collector, whose full passes would land in some steps
     try:
         results = {b: measure(core, b, args.context, args.steps, args.repeats, sync=args.sync) for b in args.batches}
+        actor = {b: measure_actor(core, b, args.steps, args.repeats) for b in args.batches} if args.actor else {}
     finally:
         core.close()
     model = "null model" if args.null_model else args.model
@@ -125,6 +195,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [f"{r['step']:.3f}"] + [f"{r[k]:.3f} ({r[k] / r['step']:.0%})" for k in PHASES[1:]]
         print(f"| {b} | " + " | ".join(cells) + " |")
     print("step = schedule + seqs + execute + sampling rows + sampler + update + rest")
+    if args.null_model:
+        print("\n# host cost: step less the argmax standing in for the device (ms); host/req in microseconds")
+        print("| B | step | argmax | host | host/req |\n|---|---|---|---|---|")
+        for b, r in results.items():
+            host = r["step"] - r["argmax"]
+            print(f"| {b} | {r['step']:.3f} | {r['argmax']:.3f} | {host:.3f} | {host / b * 1e3:.2f} |")
+        if 256 in results:
+            r = results[256]
+            per_req = (r["step"] - r["argmax"]) / 256 * 1e3
+            verdict = "PASS" if per_req <= HOST_TARGET_US else "FAIL"
+            print(f"{verdict}: host cost at B=256 {per_req:.2f} us per request per step (target <= {HOST_TARGET_US} us)")
+    if actor:
+        print(f"\n# engine loop: {args.steps}-token greedy decodes stepped bare and by the engine-core actor (ms per "
+              f"step, medians of {args.repeats})")
+        print("| B | bare | actor | actor overhead |\n|---|---|---|---|")
+        for b, r in actor.items():
+            print(f"| {b} | {r['bare']:.3f} | {r['actor']:.3f} | {r['actor'] - r['bare']:.3f} |")
     return 0
 
 

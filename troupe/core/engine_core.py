@@ -207,10 +207,9 @@ class EngineCore:
             self.step_counter += 1
         elif sched_out.scheduled:
             seqs = self.scheduler.to_scheduled_seqs(sched_out)
-            for seq in seqs:
-                seq.prompt_logits = self._requests[seq.request_id].needs_prompt_logits
-            logits = self._prompt_logprobs(seqs, self.runner.execute(seqs), failed, prompt_logprobs)  # (S, V)
-            sampling_reqs = [self._requests[s.request_id] for s in seqs if s.needs_logits]
+            sampling_reqs = [s.request for s in sched_out.scheduled if s.needs_logits]
+            logits = self._prompt_logprobs(seqs, sampling_reqs, self.runner.execute(seqs), failed,
+                                           prompt_logprobs)  # (S, V)
             if sampling_reqs:
                 sampled, sample_failed, rows = self._sample(logits, sampling_reqs)
                 failed.update(sample_failed)
@@ -295,16 +294,15 @@ class EngineCore:
                                                      num_preemptions=req.num_preemptions,
                                                      error_kind=failure.kind))
 
-    def _prompt_logprobs(self, seqs: list[ScheduledSeq], logits: torch.Tensor, failed: dict[str, RequestFailure],
-                         out: dict[str, LogprobsLists]) -> torch.Tensor:
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], sampling_reqs: list[Request], logits: torch.Tensor,
+                         failed: dict[str, RequestFailure], out: dict[str, LogprobsLists]) -> torch.Tensor:
         """Take the prompt-logits rows out of `logits` (see `troupe.core.batch`), compute those requests'
-        prompt logprobs, and return the rows to sample from, one per seq that needs logits. A request's
-        prompt logprobs go into `out` with its first token."""
+        prompt logprobs, and return the rows to sample from, one per seq that needs logits (`sampling_reqs`,
+        in order). A request's prompt logprobs go into `out` with its first token."""
         if any(s.prompt_logits for s in seqs):
             logits = self._take_prompt_logits(seqs, logits, failed)
-        for seq in seqs:
-            req = self._requests[seq.request_id]
-            if seq.needs_logits and req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        for req in sampling_reqs:
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out[req.request_id] = to_lists(req.prompt_logprob_rows)
                 req.prompt_logprobs_sent = True
         return logits
@@ -408,6 +406,11 @@ class EngineCore:
         return RequestFailure(error, kind)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
+        """The request's row for this step. A row without a per-step part (no grammar bitmask, no `min_tokens`
+        suppression) is built once and kept on the request: it holds the request's token lists themselves,
+        which grow in place."""
+        if req.sampling_row is not None:
+            return req.sampling_row
         suppressed: frozenset[int] = frozenset()
         if req.num_output_tokens < req.params.min_tokens:
             suppressed = req.eos_token_ids | req.stop_token_ids
@@ -417,5 +420,8 @@ class EngineCore:
             bitmask = torch.empty(1, bitmask_width(self.runner.vocab_size), dtype=torch.int32)
             matcher.fill(bitmask, 0)
             bitmask = bitmask[0]
-        return SamplingRow(req.params, req.generator, suppressed, req.request_id,
-                           req.output_token_ids, req.prompt_token_ids, req.bad_words_token_ids, bitmask)
+        row = SamplingRow(req.params, req.generator, suppressed, req.request_id,
+                          req.output_token_ids, req.prompt_token_ids, req.bad_words_token_ids, bitmask)
+        if not suppressed and matcher is None:
+            req.sampling_row = row
+        return row

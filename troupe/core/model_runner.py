@@ -29,7 +29,10 @@ of the machine's memory.
 
 `null_model=True` loads no weights and computes nothing: every row of logits picks one fixed text token
 (`null_token_id`), with no pool but the `num_blocks` a real pool would have, so scheduling, detokenizing
-and benchmarks of the engine around the model behave as with the real model.
+and benchmarks of the engine around the model behave as with the real model. Its step still flattens the
+batch with the kernel set's `prepare` (the host work a real step does before the model), and its logits
+are rows of one read-only tensor built once (grown when a step needs more rows): a fresh (N, vocab) tensor
+per step would cost more than the host work the null model is there to measure (`troupe.bench.host`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.block_size
         self.null_token_id = NULL_TOKEN_ID if NULL_TOKEN_ID < self.vocab_size else 0
+        self._null_logits = torch.empty(0, self.vocab_size)  # (rows, vocab): the null model's, grown on demand
         i = self.info
         spec = KVSpec(num_layers=i.num_layers, num_blocks=0, block_size=self.block_size, num_kv_heads=i.num_kv_heads,
                       head_dim=i.head_dim, dtype=i.dtype, max_model_len=self.max_model_len,
@@ -194,12 +198,11 @@ class ModelRunner:
            for prompt logprobs); logits come back on the CPU, or stay on the GPU for the device sampler.
         """
         n_out = sum(len(s.token_ids) if s.prompt_logits else s.needs_logits for s in seqs)
-        if self.model is None:
-            logits = torch.zeros(n_out, self.vocab_size)  # (N, vocab)
-            logits[:, self.null_token_id] = 1.0
-            return logits
         if not seqs:
             return torch.empty(0, self.vocab_size)
+        if self.model is None:
+            self.kernels.prepare(seqs, self.block_size)
+            return self._null_rows(n_out)
         assert max(s.start_pos + len(s.token_ids) for s in seqs) <= self.max_model_len, "a seq runs past max_model_len"
         batch = self.kernels.prepare(seqs, self.block_size)
         size = getattr(batch.meta, "graph_size", 0)
@@ -210,6 +213,14 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, rows)  # (N, hidden)
         logits = self.model.compute_logits(hidden)  # (N, vocab)
         return logits if self.device.type == "cuda" else logits.cpu()
+
+    def _null_rows(self, n: int) -> torch.Tensor:
+        """(n, vocab) logits picking `null_token_id`: rows of one tensor nobody writes (the sampler copies)."""
+        if self._null_logits.shape[0] < n:
+            logits = torch.zeros(max(n, 2 * self._null_logits.shape[0]), self.vocab_size)
+            logits[:, self.null_token_id] = 1.0
+            self._null_logits = logits
+        return self._null_logits[:n]
 
     @torch.inference_mode()
     def execute_hidden(self, seqs: list[ScheduledSeq], rows: list[int]) -> torch.Tensor:

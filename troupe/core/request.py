@@ -29,6 +29,7 @@ from troupe.pooling import PoolingParams
 from troupe.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from troupe.core.sampling_metadata import SamplingRow
     from troupe.structured.backend import Matcher
 
 
@@ -47,6 +48,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
         "stop_reason", "block_hashes", "bad_words_token_ids", "prompt_logprob_rows", "prompt_logprobs_sent",
         "grammar_terminated", "matcher", "pooling_params", "pooling_state", "generator", "added_at",
+        "sampling_row",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -82,6 +84,7 @@ class Request:
         self.generator: torch.Generator | None = None if params.seed is None else \
             torch.Generator().manual_seed(params.seed)
         self.added_at: float | None = None  # trace only: when the engine took it, until first scheduled
+        self.sampling_row: SamplingRow | None = None  # the engine's SamplingRow for it, kept while nothing in it changes
 
     @classmethod
     def from_message(cls, msg: AddRequest) -> Request:

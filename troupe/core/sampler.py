@@ -76,7 +76,7 @@ class Sampler:
         """`logits` (S, V), one row per entry of `rows`, on any device; never written to."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         S, V = logits.shape
-        if all(r.params.greedy and not r.suppressed and r.params.logprobs is None and _plain(r) for r in rows):
+        if all(r.plain_greedy for r in rows):
             return SamplerOutput(row_argmax(logits).tolist(), [None] * S)  # nothing to copy or send
         meta = SamplingMetadata.build(rows, V, self._generator, logits.device)
         want_processed = bool(meta.logprob_rows) and not self.logprobs_mode.startswith("raw")
@@ -171,13 +171,6 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
         wins = (tail_max > head) | (tail_max.isnan() & ~head.isnan())
         index = torch.where(wins, B * C + tail.argmax(dim=-1), index)
     return index
-
-
-def _plain(row: SamplingRow) -> bool:
-    """Nothing but temperature/top-k/top-p/min-p applies to this row."""
-    p = row.params
-    return (not p.has_penalties and p.logit_bias is None and p.allowed_token_ids is None and not row.bad_words
-            and row.bitmask is None)
 
 
 def apply_bitmask(x: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -40,7 +40,13 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()  # (repetition penalty)
     bad_words: Sequence[Sequence[int]] = ()  # token sequences (vLLM's bad-words rule)
     bitmask: torch.Tensor | None = None  # (ceil(V/32),) int32: the grammar's allowed tokens this step
+    plain_greedy: bool = field(init=False)  # an argmax and nothing else: no mask, processor or logprobs
 
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain_greedy = (p.greedy and not self.suppressed and p.logprobs is None and not p.has_penalties
+                             and p.logit_bias is None and p.allowed_token_ids is None and not self.bad_words
+                             and self.bitmask is None)
 
 
 @dataclass(slots=True)

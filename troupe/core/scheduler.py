@@ -141,8 +141,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget,
-                    self.max_model_len - req.num_computed_tokens)
+            computed = req.num_computed_tokens
+            n = min(len(req.all_token_ids) - computed, budget, self.max_model_len - computed)
             assert n > 0, req
             while kv.allocate_slots(req, n) is None:
                 victim = self._preempt_victim()
@@ -180,19 +180,24 @@ class Scheduler:
             self.waiting.prepend(req)
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self._finished_ids)
         self._finished_ids = []
+        scheduled, tokens, prompt_tokens = out.scheduled, 0, 0
         for req, n in chunks.values():
             start = req.num_computed_tokens
-            out.scheduled.append(ScheduledRequest(req, n, start, start + n == req.num_tokens))
-            out.num_scheduled_tokens += n
-            req.num_computed_tokens += n
-        self._step_prompt_tokens = sum(max(0, min(s.start_pos + s.num_new_tokens, s.request.num_prompt_tokens)
-                                           - s.start_pos) for s in out.scheduled)
+            end = req.num_computed_tokens = start + n
+            scheduled.append(ScheduledRequest(req, n, start, end == len(req.all_token_ids)))
+            tokens += n
+            if start < len(req.prompt_token_ids):
+                prompt_tokens += min(end, len(req.prompt_token_ids)) - start
+        out.num_scheduled_tokens = tokens
+        self._step_prompt_tokens = prompt_tokens
         return out
 
     def to_scheduled_seqs(self, out: SchedulerOutput) -> list[ScheduledSeq]:
-        """The model runner's view of `out` (same order); call before `update_from_output`."""
-        return [ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
-                             self.kv_cache.get_block_ids(req.request_id), needs_logits)
+        """The model runner's view of `out` (same order; `prompt_logits` where the request still needs
+        prompt logprobs); call before `update_from_output`."""
+        blocks = self.kv_cache.get_block_ids
+        return [ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start, blocks(req.request_id),
+                             needs_logits, req.params.prompt_logprobs is not None and req.needs_prompt_logits)
                 for req, n, start, needs_logits in out.scheduled]
 
     # ------------------------------------------------------------------ after the step
@@ -231,13 +236,15 @@ class Scheduler:
         self.step_counter += bool(out.scheduled)
         outputs: list[EngineCoreOutput] = []
         finished: list[str] = []
+        cache_blocks = self.kv_cache.cache_blocks if self.kv_cache.enable_prefix_caching else None
+        running = RequestStatus.RUNNING
         for s in out.scheduled:
             req = s.request
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # aborted since schedule()
             pooling = req.pooling_params is not None
-            if not pooling:
-                self.kv_cache.cache_blocks(req)
+            if cache_blocks is not None and not pooling:
+                cache_blocks(req)
             if not s.needs_logits:
                 continue
             failure = failed.get(req.request_id) if failed else None
@@ -246,7 +253,8 @@ class Scheduler:
                 req.finish_reason, stopped = FinishReason.STOP, True
             elif failure is None:
                 token = sampled[req.request_id]
-                req.append_token(token)
+                req.output_token_ids.append(token)  # `Request.append_token`, inlined: the per-token path
+                req.all_token_ids.append(token)
                 new = [token]
                 try:
                     stopped = self._check_stop(req)

@@ -20,7 +20,8 @@ actor for its whole life, loops: take what the inbox brought (`_pending`), apply
 utility calls), run a step, queue the outputs (`_emit`), and go on at once; it sleeps on a condition only
 when there is nothing to run. The event loop reads the inbox into `_pending` (never waiting for the
 model: adds and aborts keep flowing during a forward pass and are applied between steps) and sends what
-the thread queued to the outbox, in order (`_forward`). The thread wakes the loop only when the
+the thread queued to the outbox, in order (`_forward`); the messages read in one pass of the loop reach
+the thread together (`_flush`), so a burst of adds starts in one step, as it did when the loop ran it. The thread wakes the loop only when the
 forwarder sleeps (one `call_soon_threadsafe`, troupe runs on asyncio), and runs at most `MAX_AHEAD`
 outputs ahead of it, so the outbox's back-pressure still reaches the model. Against a thread-pool call per
 step (`anyio.to_thread.run_sync`: a hop to the pool and one back to the loop before the next step can
@@ -91,6 +92,8 @@ class EngineCoreActor:
         self.engine_index = engine_index
         # shared with the step thread, under `_cond`: what the inbox brought, what the thread produced
         self._cond = threading.Condition()
+        self._inbound: list[EngineInput] = []  # the event loop's: read, not yet handed to the thread
+        self._flush_scheduled = False
         self._pending: list[EngineInput] = []
         self._inbox_closed = False
         self._stop = False  # EngineShutdown read, or the actor cancelled: stop after the step in flight
@@ -102,7 +105,8 @@ class EngineCoreActor:
         self.failed = False  # set once EngineDead was sent
 
     def statistics(self) -> EngineActorStats:
-        return EngineActorStats(self._steps, len(self._pending), self.core.has_unfinished_requests())
+        return EngineActorStats(self._steps, len(self._pending) + len(self._inbound),
+                                self.core.has_unfinished_requests())
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)
@@ -133,9 +137,10 @@ class EngineCoreActor:
                     if trace_enabled() and isinstance(msg, AddRequest):
                         trace(log, "request received", request_id=msg.external_id, internal_id=msg.request_id,
                               step=self._steps + 1)
-                    with self._cond:
-                        self._pending.append(msg)
-                        self._cond.notify()
+                    self._inbound.append(msg)
+                    if not self._flush_scheduled:
+                        self._flush_scheduled = True
+                        asyncio.get_running_loop().call_soon(self._flush)
                 case EngineShutdown():
                     with self._cond:
                         self._stop = True
@@ -145,9 +150,21 @@ class EngineCoreActor:
                     log.warning("EngineStart after start-up ignored")
                 case _:
                     assert_never(msg)
+        self._flush()
         with self._cond:
             self._inbox_closed = True
             self._cond.notify()
+
+    def _flush(self) -> None:
+        """Hand what the inbox brought to the step thread, from a loop callback (`call_soon`): the messages a
+        task sends without yielding (a burst of adds) reach the thread together, as they reached the step
+        under the old one-task loop, so an offline batch's first step holds all of its prompts that arrived."""
+        self._flush_scheduled = False
+        if self._inbound:
+            with self._cond:
+                self._pending += self._inbound
+                self._cond.notify()
+            self._inbound = []
 
     async def _forward(self) -> None:
         """The event loop's half: what the step thread produced, to the outbox in order, until the thread is
