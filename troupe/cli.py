@@ -49,6 +49,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA, the share of the GPU's memory the engine may use (the KV cache gets the rest)")
     g.add_argument("--enforce-eager", action="store_true", help="on CUDA, no CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="launch each step before the previous step's tokens are read back (docs/architecture.md)")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="GGUF weights: keep the blocks (gguf; gguf-q8: 8-bit activations; gguf-bf16: batches in "
                         "bfloat16, CPUs with avx512_bf16) or expand them "
@@ -111,6 +113,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, revision=args.revision, tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization, device=args.device,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                async_scheduling=args.async_scheduling,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -46,6 +46,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # share of the GPU's memory the engine may use
     # (weights, activations, KV); an engine on the CPU refuses any other value (it sizes no GPU memory)
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    async_scheduling: bool = False  # launch step N+1 before step N's ids are read (troupe.core.overlap)
     # GGUF weights (docs/kernels.md): "auto" (a GGUF keeps its blocks, a folder its dtype), "dequantize"
     # (expand to float32 at load: the reference), "gguf" (blocks, float32 activations), "gguf-q8" (blocks,
     # 8-bit activations: needs kernels="cpu"), "gguf-bf16" (blocks; batches computed in bfloat16 with float32
@@ -110,6 +111,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidInputError("gpu_memory_utilization", f"must be a fraction in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise InvalidInputError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise InvalidInputError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.runner == "pooling":
+            raise InvalidInputError("async_scheduling", "applies to generation; runner='pooling' samples nothing "
+                                    "(leave async_scheduling off)")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidInputError("quantization", f"must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -49,7 +49,7 @@ def scheduler_only_core(config: Any) -> Any:
 
     core = EngineCore(config)
     token = core.runner.null_token_id
-    core.runner.execute = lambda seqs: torch.empty(sum(s.needs_logits for s in seqs), 0)  # type: ignore[method-assign]
+    core.runner.execute = lambda seqs, placeholders=None: torch.empty(sum(s.needs_logits for s in seqs), 0)  # type: ignore[method-assign]
     core.sampler.sample = lambda logits, rows: SamplerOutput([token] * len(rows), [None] * len(rows))  # type: ignore[method-assign]
     return core
 

@@ -21,3 +21,5 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's whole block table; covers start_pos + len(token_ids) tokens
     needs_logits: bool  # this chunk ends at the last known token: a new token is sampled after it
     prompt_logits: bool = False  # logits at every token of the chunk (prompt logprobs)
+    placeholder: bool = False  # async scheduling: its last token is the previous step's sample, still on the
+    # device (token_ids holds 0 there; the runner writes the sampled id in on the device: troupe.core.overlap)

@@ -50,11 +50,12 @@ from troupe.core.batch import ScheduledSeq
 from troupe.core.kv_cache import KVCacheManager
 from troupe.core.logprobs import add_prompt_logprobs, to_lists
 from troupe.core.model_runner import ModelRunner
+from troupe.core.overlap import GRAMMAR_WAIT_S, AsyncStepper, DeviceQueue, InlineQueue
 from troupe.core.pooler import Pooler
 from troupe.core.request import Request, RequestStatus
 from troupe.core.sampler import LogprobsRow, make_sampler
 from troupe.core.sampling_metadata import SamplingRow
-from troupe.core.scheduler import ScheduledRequest, Scheduler
+from troupe.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_kind
 from troupe.inputs import ModelLimits, check_runner, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
@@ -64,14 +65,12 @@ from troupe.pooling import resolve_pooler
 from troupe.structured.backend import bitmask_width
 from troupe.structured.manager import StructuredOutputManager
 
-GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar being compiled
-
 log = structlog.get_logger("troupe.engine")
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, *, engine_index: int = 0,
-                 model_runner: ModelRunner | None = None) -> None:
+                 model_runner: ModelRunner | None = None, device_queue: DeviceQueue | None = None) -> None:
         self.config = config
         self.engine_index = engine_index
         self.runner = model_runner if model_runner is not None else ModelRunner(config)
@@ -81,7 +80,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len,
-                                   policy="priority" if config.scheduling_policy == "priority" else "fcfs")
+                                   policy="priority" if config.scheduling_policy == "priority" else "fcfs",
+                                   async_scheduling=config.async_scheduling)
         self.sampler = make_sampler(self.runner.device, seed=config.seed, logprobs_mode=config.logprobs_mode)
         tokenizer_path = resolve_tokenizer(config.tokenizer) if config.tokenizer else self.runner.model_path
         self.structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer_path), self.runner.vocab_size,
@@ -89,6 +89,7 @@ class EngineCore:
                                                   compile_timeout_s=config.grammar_compile_timeout_s)
         self._failed_outside: list[EngineCoreOutput] = []  # failed outside the scheduler's step update
         self._requests: dict[str, Request] = {}
+        self._step_started = 0.0  # trace only: when this step's schedule() returned
         self._aborted_since_last_step: list[str] = []
         self.pooler: Pooler | None = None  # runner="pooling": prefill-only requests, pooled hidden states
         if config.runner == "pooling":
@@ -96,6 +97,8 @@ class EngineCore:
             self.pooler = Pooler(resolve_pooler(self.runner.model_path, info.hf_config, info.arch.hidden_size,
                                                 config.pooler_config))
         self.step_counter = 0
+        # async scheduling (troupe.core.overlap): step N+1 launched before step N's ids are read
+        self.stepper = AsyncStepper(self, device_queue or InlineQueue()) if config.async_scheduling else None
         self.num_added = 0  # requests accepted by add_request (cumulative)
         self.num_aborted = 0  # requests stopped by abort_requests (cumulative)
         self.limits = ModelLimits(
@@ -158,11 +161,15 @@ class EngineCore:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or (async scheduling) a step in flight whose outputs are still to report."""
+        return self.scheduler.has_unfinished_requests() or (self.stepper is not None and self.stepper.inflight is not None)
 
     def close(self) -> None:
-        """Stop the grammar compiler's thread (idempotent; also done when the engine is collected)."""
+        """Stop the grammar compiler's thread and the device queue (idempotent; also done when the engine is
+        collected)."""
         self.structured.close()
+        if self.stepper is not None:
+            self.stepper.close()
 
     def has_unreported_finishes(self) -> bool:
         """Requests aborted since the last step, not yet reported in `finished_requests`."""
@@ -186,17 +193,13 @@ class EngineCore:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> EngineCoreOutputs:
-        """Run one scheduling + forward + sampling iteration."""
-        tracing = trace_enabled()
-        started = time.monotonic() if tracing else 0.0
+        """Run one scheduling + forward + sampling iteration (with async scheduling: launch one and report
+        the previous one, troupe.core.overlap)."""
+        if self.stepper is not None:
+            return self.stepper.step()
         self._admit_grammar_ready()
         sched_out = self.scheduler.schedule()
-        for rid in sched_out.preempted_req_ids:
-            preempted = self._requests[rid]
-            log.debug("request preempted", request_id=preempted.external_id, internal_id=rid,
-                      preemptions=preempted.num_preemptions, kv_cache_usage=round(self.kv.usage, 3))
-        if tracing:
-            self._trace_scheduled(sched_out.scheduled)
+        self._log_preempted(sched_out)
         sampled: dict[str, int] = {}
         failed: dict[str, RequestFailure] = {}  # request id -> why it failed (its own fault: see _sample)
         logprobs: dict[str, LogprobsLists] = {}
@@ -220,6 +223,22 @@ class EngineCore:
             self.structured.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar is ready
         outputs, finished = self.scheduler.update_from_output(sched_out, sampled, failed, logprobs, prompt_logprobs,
                                                               pooled)
+        return self._step_outputs(outputs, finished, sched_out, len(sampled))
+
+    def _log_preempted(self, sched_out: SchedulerOutput) -> None:
+        for rid in sched_out.preempted_req_ids:
+            preempted = self._requests[rid]
+            log.debug("request preempted", request_id=preempted.external_id, internal_id=rid,
+                      preemptions=preempted.num_preemptions, kv_cache_usage=round(self.kv.usage, 3))
+        if trace_enabled():
+            self._step_started = time.monotonic()
+            self._trace_scheduled(sched_out.scheduled)
+
+    def _step_outputs(self, outputs: list[EngineCoreOutput], finished: list[str], sched_out: SchedulerOutput,
+                      num_sampled: int) -> EngineCoreOutputs:
+        """The step's message: its outputs, those that failed outside the update, every id that finished
+        (aborts included), the scheduler's stats; finished requests forgotten."""
+        tracing = trace_enabled()
         if self._failed_outside:
             outputs = self._failed_outside + outputs
             finished = [o.request_id for o in self._failed_outside] + finished
@@ -235,9 +254,9 @@ class EngineCore:
         stats = self.scheduler.stats(step_counter=self.step_counter)
         if tracing:
             trace(log, "step", scheduled=len(sched_out.scheduled), tokens=sched_out.num_scheduled_tokens,
-                  prompt_tokens=stats.num_prompt_tokens, sampled=len(sampled), running=stats.num_running,
+                  prompt_tokens=stats.num_prompt_tokens, sampled=num_sampled, running=stats.num_running,
                   waiting=stats.num_waiting, kv_cache_usage=round(stats.kv_cache_usage, 3),
-                  step_s=round(time.monotonic() - started, 5))
+                  step_s=round(time.monotonic() - self._step_started, 5))
         return EngineCoreOutputs(engine_index=self.engine_index, outputs=outputs,
                                  scheduler_stats=stats, finished_requests=finished)
 
@@ -374,10 +393,19 @@ class EngineCore:
             lps = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
             return dict(zip(ids, out.token_ids, strict=True)), failed, lps
         except Exception as exc:
-            log.warning("batched sampling failed: sampling its rows one by one", rows=len(rows),
-                        error=f"{type(exc).__name__}: {exc}")
+            error = exc
         for generator, state in rewind:
             generator.set_state(state)
+        sampled, logprobs = self._sample_rows_one_by_one(logits, ids, rows, failed, error)
+        return sampled, failed, logprobs
+
+    def _sample_rows_one_by_one(self, logits: torch.Tensor, ids: list[str], rows: list[SamplingRow],
+                                failed: dict[str, RequestFailure], error: Exception
+                                ) -> tuple[dict[str, int], dict[str, LogprobsRow]]:
+        """After the batched sampler raised `error` (the seeded generators rewound): each row alone; a row that
+        raises on its own fails its request (into `failed`)."""
+        log.warning("batched sampling failed: sampling its rows one by one", rows=len(rows),
+                    error=f"{type(error).__name__}: {error}")
         sampled: dict[str, int] = {}
         logprobs: dict[str, LogprobsRow] = {}
         for i, (rid, row) in enumerate(zip(ids, rows, strict=True)):
@@ -389,7 +417,7 @@ class EngineCore:
             sampled[rid] = one.token_ids[0]
             if one.logprobs[0] is not None:
                 logprobs[rid] = one.logprobs[0]
-        return sampled, failed, logprobs
+        return sampled, logprobs
 
     @staticmethod
     def _request_failed(req: Request, stage: str, exc: Exception) -> RequestFailure:

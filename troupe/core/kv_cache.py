@@ -132,7 +132,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching or table is None:
             return
         start = self._num_cached_blocks[req.request_id]
-        end = min(req.num_computed_tokens // self.block_size, len(table))
+        # computed and known: with async scheduling the computed count runs one token ahead of the known ones
+        end = min(min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size, len(table))
         if end <= start:
             return
         self._update_block_hashes(req)

@@ -64,6 +64,7 @@ log = structlog.get_logger("troupe.runner")
 
 DEFAULT_KV_TOKENS_PER_SEQ = 512
 DEFAULT_KV_CAP_BYTES = 1 << 30
+Placeholders = tuple[list[int], list[int], torch.Tensor]  # (dst token indices, src rows, the previous step's ids)
 NULL_TOKEN_ID = 260  # " the" in the SmolLM2 vocabulary: plain text, never EOS
 
 
@@ -187,7 +188,7 @@ class ModelRunner:
                  max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, seqs: list[ScheduledSeq], placeholders: Placeholders | None = None) -> torch.Tensor:
         """Run one step; returns (num seqs with needs_logits, vocab) float32 logits, in order.
 
         1. The kernel set flattens the step (token ids, positions, attention metadata) on its device.
@@ -196,6 +197,10 @@ class ModelRunner:
            padded to a captured size replays its CUDA graph instead.
         3. The LM head runs on those rows (the last token of each seq that needs logits, or a whole chunk
            for prompt logprobs); logits come back on the CPU, or stay on the GPU for the device sampler.
+
+        `placeholders` (async scheduling, troupe.core.overlap): `(dst, src, ids)`, the step's token indices
+        whose id is the previous step's sample `ids[src]`, still on the device; written into the flattened
+        ids there, after `prepare`, without a host read.
         """
         n_out = sum(len(s.token_ids) if s.prompt_logits else s.needs_logits for s in seqs)
         if not seqs:
@@ -205,6 +210,11 @@ class ModelRunner:
             return self._null_rows(n_out)
         assert max(s.start_pos + len(s.token_ids) for s in seqs) <= self.max_model_len, "a seq runs past max_model_len"
         batch = self.kernels.prepare(seqs, self.block_size)
+        if placeholders is not None:
+            dst, src, ids = placeholders
+            device = batch.input_ids.device
+            batch.input_ids[torch.tensor(dst, device=device)] = ids[torch.tensor(src, device=ids.device)].to(
+                device=device, dtype=batch.input_ids.dtype)
         size = getattr(batch.meta, "graph_size", 0)
         if self.graphs is not None and size in self.graphs.graphs:
             hidden = self.graphs.replay(batch)  # (N, hidden): every row of a graph step is sampled

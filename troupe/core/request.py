@@ -48,7 +48,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "status", "finish_reason",
         "stop_reason", "block_hashes", "bad_words_token_ids", "prompt_logprob_rows", "prompt_logprobs_sent",
         "grammar_terminated", "matcher", "pooling_params", "pooling_state", "generator", "added_at",
-        "sampling_row",
+        "sampling_row", "num_pending",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -84,6 +84,7 @@ class Request:
         self.generator: torch.Generator | None = None if params.seed is None else \
             torch.Generator().manual_seed(params.seed)
         self.added_at: float | None = None  # trace only: when the engine took it, until first scheduled
+        self.num_pending = 0  # async scheduling: tokens sampled on the device, not appended yet (troupe.core.overlap)
         self.sampling_row: SamplingRow | None = None  # the engine's SamplingRow for it, kept while nothing in it changes
 
     @classmethod

@@ -35,7 +35,7 @@ GPU the whole row (no host read mid-step).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -60,6 +60,9 @@ class SamplerOutput(NamedTuple):
 class TokenSampler(Protocol):
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput: ...
 
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+               ) -> tuple[torch.Tensor, Callable[[], SamplerOutput]]: ...
+
 
 def make_sampler(device: torch.device, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> TokenSampler:
     """The engine's sampler for logits on `device` (one implementation for every device)."""
@@ -74,10 +77,20 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` (S, V), one row per entry of `rows`, on any device; never written to."""
+        _, finish = self.launch(logits, rows)
+        return finish()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+               ) -> tuple[torch.Tensor, Callable[[], SamplerOutput]]:
+        """`sample` in two halves: the sampled ids (S,) int64 on the logits' device, computed without reading
+        them back, and the function that brings them (and the logprobs asked for) to the host. Async scheduling
+        (troupe.core.overlap) feeds the ids to the next step's forward on the device and calls the second half
+        later. The only host read before that: whether a masked row has no token left (`NoTokenAllowedError`)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         S, V = logits.shape
         if all(r.plain_greedy for r in rows):
-            return SamplerOutput(row_argmax(logits).tolist(), [None] * S)  # nothing to copy or send
+            ids = row_argmax(logits)  # nothing to copy or send
+            return ids, lambda: SamplerOutput(ids.tolist(), [None] * S)
         meta = SamplingMetadata.build(rows, V, self._generator, logits.device)
         want_processed = bool(meta.logprob_rows) and not self.logprobs_mode.startswith("raw")
         x = logits.float()  # (S, V); the same tensor when it already is float32
@@ -116,10 +129,10 @@ class Sampler:
             picked = x[meta.logprob_rows]
             processed = picked if self.logprobs_mode == "processed_logits" else picked.log_softmax(dim=-1)
         if not meta.logprob_rows:
-            return SamplerOutput(tokens.tolist(), [None] * S)
+            return tokens, lambda: SamplerOutput(tokens.tolist(), [None] * S)
         source = raw if raw is not None else processed
         assert source is not None
-        return self._with_logprobs(tokens, source, meta, S)
+        return tokens, lambda: self._with_logprobs(tokens, source, meta, S)
 
     @staticmethod
     def _with_logprobs(tokens: torch.Tensor, source: torch.Tensor, meta: SamplingMetadata, S: int) -> SamplerOutput:

@@ -64,7 +64,8 @@ class Scheduler:
     """
 
     def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: SchedulingPolicy = "fcfs") -> None:
+                 max_model_len: int, policy: SchedulingPolicy = "fcfs", async_scheduling: bool = False) -> None:
+        self.async_scheduling = async_scheduling  # schedule() runs before the previous step's update
         self.waiting: RequestQueue = create_request_queue(policy)
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -141,8 +142,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget <= 0:
                 break
-            computed = req.num_computed_tokens
-            n = min(len(req.all_token_ids) - computed, budget, self.max_model_len - computed)
+            computed, pending = req.num_computed_tokens, req.num_pending
+            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                            or len(req.all_token_ids) + pending >= self.max_model_len):
+                continue  # async: its token in flight is its last (length); the update finishes it
+            n = min(len(req.all_token_ids) + pending - computed, budget, self.max_model_len - computed)
             assert n > 0, req
             while kv.allocate_slots(req, n) is None:
                 victim = self._preempt_victim()
@@ -180,11 +184,14 @@ class Scheduler:
             self.waiting.prepend(req)
         out = SchedulerOutput(preempted_req_ids=preempted, finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        scheduled, tokens, prompt_tokens = out.scheduled, 0, 0
+        scheduled, tokens, prompt_tokens, ahead = out.scheduled, 0, 0, self.async_scheduling
         for req, n in chunks.values():
             start = req.num_computed_tokens
             end = req.num_computed_tokens = start + n
-            scheduled.append(ScheduledRequest(req, n, start, end == len(req.all_token_ids)))
+            needs_logits = end == len(req.all_token_ids) + req.num_pending
+            if needs_logits and ahead:
+                req.num_pending += 1  # sampled on the device; appended by this step's update
+            scheduled.append(ScheduledRequest(req, n, start, needs_logits))
             tokens += n
             if start < len(req.prompt_token_ids):
                 prompt_tokens += min(end, len(req.prompt_token_ids)) - start
@@ -196,9 +203,16 @@ class Scheduler:
         """The model runner's view of `out` (same order; `prompt_logits` where the request still needs
         prompt logprobs); call before `update_from_output`."""
         blocks = self.kv_cache.get_block_ids
-        return [ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start, blocks(req.request_id),
+        seqs = [ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start, blocks(req.request_id),
                              needs_logits, req.params.prompt_logprobs is not None and req.needs_prompt_logits)
                 for req, n, start, needs_logits in out.scheduled]
+        if self.async_scheduling:
+            for seq, (_, n, _, _) in zip(seqs, out.scheduled, strict=True):
+                if len(seq.token_ids) < n:  # its last token is still on the device
+                    assert len(seq.token_ids) == n - 1, (seq.request_id, n, len(seq.token_ids))
+                    seq.token_ids.append(0)
+                    seq.placeholder = True
+        return seqs
 
     # ------------------------------------------------------------------ after the step
 
@@ -240,14 +254,16 @@ class Scheduler:
         running = RequestStatus.RUNNING
         for s in out.scheduled:
             req = s.request
-            if req.status != running:
-                continue  # aborted since schedule()
+            if req.status == RequestStatus.FINISHED:
+                continue  # aborted since schedule(), or (async) stopped by the previous step's update
             pooling = req.pooling_params is not None
-            if cache_blocks is not None and not pooling:
+            if cache_blocks is not None and not pooling and req.status == running:
                 cache_blocks(req)
             if not s.needs_logits:
                 continue
             failure = failed.get(req.request_id) if failed else None
+            if req.num_pending:  # async: this step's token is in (or failed)
+                req.num_pending -= 1
             new: list[int] = []
             if failure is None and pooling:
                 req.finish_reason, stopped = FinishReason.STOP, True
@@ -264,6 +280,8 @@ class Scheduler:
                 req.finish_reason, req.stop_reason = FinishReason.ERROR, None
                 stopped = True
             if stopped:
+                if req.status != running:  # async: preempted by the schedule() that ran after its step
+                    self.waiting.remove(req)
                 req.status = RequestStatus.FINISHED
                 self.kv_cache.free(req)
                 del self.requests[req.request_id]
