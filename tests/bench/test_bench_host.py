@@ -3,6 +3,7 @@ the engine left as it was (no request, no wrapper), and bad arguments refused na
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ def test_each_batch_prints_every_phase(tiny_gguf: Path, null: bool, capsys: pyte
     argv = ["--model", str(tiny_gguf), "--device", "cpu", "--batches", "1,6", "--context", "12", "--steps", "4",
             "--repeats", "2", "--threads", "1"]
     assert host.main(argv + (["--null-model", "--actor"] if null else [])) == 0
+    assert gc.get_freeze_count() == 0  # the heap it froze while measuring is unfrozen
     out = capsys.readouterr().out
     assert ("null model on cpu" in out) is null
     rows = _table(out)

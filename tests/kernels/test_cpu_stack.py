@@ -133,29 +133,36 @@ def test_stack_stays_out_where_it_does_not_apply(tmp_path, monkeypatch):
 
 
 def test_engine_generates_the_same_tokens_with_and_without_the_stack(tmp_path):
-    """Through the real engine (scheduler, chunked prefill, sampler): greedy tokens and their logprobs are
-    the same with the stack as with the per-layer loop (`TROUPE_DECODER_STACK=0` in a second process)."""
+    """Through the real engine core (scheduler, chunked prefill, batched decode, sampler): greedy tokens and
+    their logprobs are the same with the stack as with the per-layer loop (`TROUPE_DECODER_STACK=0` in a
+    second process). The requests are all added before the first step, so both runs batch them alike
+    (through `LLM.generate` which prompts share a step depends on when each add reaches the engine, and the
+    kernels round a row as its batch's size decides)."""
     gguf, _ = make_tiny_gguf(tmp_path, default_qtype=QType.Q4_1)
     script = (
-        "import json, sys\n"
-        "from troupe import LLM, SamplingParams\n"
-        f"llm = LLM({str(gguf)!r}, kernels='cpu', multiprocess=False, max_num_batched_tokens=16,"
-        " enable_prefix_caching=False)\n"
-        "outs = llm.generate([{'prompt_token_ids': list(range(3, 3 + n))} for n in (1, 7, 30)],"
-        " SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2), use_tqdm=False)\n"
-        "print(json.dumps([[o.outputs[0].token_ids, [[[k, v.logprob] for k, v in sorted(lp.items())]"
-        " for lp in o.outputs[0].logprobs]] for o in outs]))\n"
-        "llm.close()\n")
+        "import json\nimport msgspec\n"
+        "from troupe.config import EngineConfig\n"
+        "from troupe.core.engine_core import EngineCore\n"
+        "from troupe.messages import AddRequest\n"
+        "from troupe.sampling_params import SamplingParams\n"
+        f"core = EngineCore(EngineConfig(model={str(gguf)!r}, kernels='cpu', max_num_batched_tokens=16,"
+        " enable_prefix_caching=False))\n"
+        "params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)\n"
+        "for n in (1, 7, 30):\n"
+        "    core.add_request(AddRequest(f'r{n}', list(range(3, 3 + n)), params, 12))\n"
+        "got = {}\n"
+        "while core.has_unfinished_requests():\n"
+        "    for o in core.step().outputs:\n"
+        "        tokens, logprobs = got.setdefault(o.request_id, ([], []))\n"
+        "        tokens += o.new_token_ids\n"
+        "        logprobs.append(msgspec.to_builtins(o.new_logprobs))\n"
+        "core.close()\n"
+        "print(json.dumps(got, sort_keys=True))\n")
     results = []
     for flag in ("1", "0"):
         env = {**os.environ, "TROUPE_DECODER_STACK": flag}
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    stack, loop = results
-    assert [tokens for tokens, _ in stack] == [tokens for tokens, _ in loop]
-    # the logprobs to float32 rounding: which prompts share a step depends on when each add reached the
-    # engine (LLM.generate submits them one by one), and a batch's GEMM rounds a row as its size decides
-    for (_, a), (_, b) in zip(stack, loop, strict=True):
-        assert [[k for k, _ in step] for step in a] == [[k for k, _ in step] for step in b]
-        assert [v for step in a for _, v in step] == pytest.approx([v for step in b for _, v in step], abs=1e-4)
+    assert results[0] == results[1]
+    assert sorted(len(tokens) for tokens, _ in results[0].values()) == [12, 12, 12]

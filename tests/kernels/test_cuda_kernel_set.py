@@ -119,7 +119,8 @@ def test_padded_decode_steps_match_and_write_nothing_for_padding(tiny_llama: Pat
 def test_engine_on_the_cuda_set_generates_the_eager_tokens(tiny_llama: Path, device: torch.device) -> None:
     """`LLM(kernels="cuda", device="cpu")` (the engine in its own process, inheriting the interpreter)
     generates the same greedy tokens as the eager set, with enforce_eager accepted (no effect on the CPU;
-    a gpu_memory_utilization other than the default is refused there: tests/facades/test_vllm_entry_points.py)."""
+    a gpu_memory_utilization other than the default is refused there: tests/facades/test_vllm_entry_points.py),
+    and so does the set with async scheduling on (the placeholders' ids written into the step's ids)."""
     from troupe import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -131,6 +132,9 @@ def test_engine_on_the_cuda_set_generates_the_eager_tokens(tiny_llama: Path, dev
     with LLM(kernels="cuda", enforce_eager=True, **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and all(len(t) == 3 for t in got)
+    with LLM(kernels="cuda", async_scheduling=True, multiprocess=False, **options) as llm:
+        assert llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == want[0]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
 
 
 class FakeGraph:

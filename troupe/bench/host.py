@@ -32,7 +32,6 @@ Nothing here is a test: it prints figures (docs/benchmarks.md lists the tools).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -171,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from troupe.config import EngineConfig
     from troupe.core.engine_core import EngineCore
+    from troupe.engine.child import startup_heap_frozen
 
     core = EngineCore(EngineConfig(
         model=args.model, multiprocess=False, device=args.device, dtype=args.dtype, quantization=args.quantization,
@@ -178,11 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_stats_interval_s=None, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(8192, args.context),  # chunked prefill takes larger batches' prompts
         max_model_len=args.context + args.steps * args.repeats + 16))
-    gc.collect()  # as the engine process does once its core is built (troupe.engine.child): the start-up heap
-    gc.freeze()  # is never scanned again by the cyclic collector, whose full passes would land in some steps
-    try:
-        results = {b: measure(core, b, args.context, args.steps, args.repeats, sync=args.sync) for b in args.batches}
-        actor = {b: measure_actor(core, b, args.steps, args.repeats) for b in args.batches} if args.actor else {}
+    try:  # the start-up heap frozen, as in the engine process (a full collection would land in some steps)
+        with startup_heap_frozen():
+            results = {b: measure(core, b, args.context, args.steps, args.repeats, sync=args.sync)
+                       for b in args.batches}
+            actor = {b: measure_actor(core, b, args.steps, args.repeats) for b in args.batches} if args.actor else {}
     finally:
         core.close()
     model = "null model" if args.null_model else args.model

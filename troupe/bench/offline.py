@@ -115,7 +115,7 @@ def troupe_options(args: argparse.Namespace) -> dict[str, Any]:
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                    enable_prefix_caching=False, multiprocess=args.multiprocess, device=args.device,
-                   enforce_eager=args.enforce_eager)
+                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     util = args.gpu_memory_utilization
     if util is None and args.device != "cpu":
         import torch
@@ -275,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="troupe's share of the GPU (the rest is transformers'; default 0.5); CUDA only")
     p.add_argument("--enforce-eager", action="store_true", help="troupe without CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="troupe launches each step before the previous step's ids are read (troupe.core.overlap)")
     p.add_argument("--random-model", default=None, metavar="SPEC",
                    help="benchmark a random Llama built from a config instead of --model: "
                         f"{', '.join(RANDOM_MODELS)} or KEY=INT,... over {', '.join(_RANDOM_KEYS)}")
