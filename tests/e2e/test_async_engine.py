@@ -1,6 +1,6 @@
-"""`async_scheduling` through the real engine: `LLM(async_scheduling=True)` (its engine process) and
-`troupe serve --async-scheduling` give the synchronous engine's tokens for greedy and seeded requests,
-logprobs included. The mode's own cases (stops, preemption, aborts, structured outputs, failures) run on the
+"""`async_scheduling` through the real engine: `LLM(async_scheduling=True)` and `troupe serve
+--async-scheduling` (its engine in its own process) give the synchronous engine's tokens for greedy and
+seeded requests, logprobs included. The mode's own cases (stops, preemption, aborts, structured outputs, failures) run on the
 engine core against a fake asynchronous device: tests/core/test_async_scheduling.py."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def params() -> list[SamplingParams]:
 def test_llm_and_server_with_async_scheduling_give_the_sync_tokens(tiny_llama: Path, tmp_path: Path) -> None:
     with LLM(str(tiny_llama), multiprocess=False, **OPTIONS) as llm:
         want = [o.outputs[0] for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
-    with LLM(str(tiny_llama), async_scheduling=True, **OPTIONS) as llm:
+    with LLM(str(tiny_llama), async_scheduling=True, multiprocess=False, **OPTIONS) as llm:
         assert llm.config.async_scheduling
         got = [o.outputs[0] for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
