@@ -1,6 +1,6 @@
 """`async_scheduling` through the real engine: `LLM(async_scheduling=True)` and `troupe serve
 --async-scheduling` (its engine in its own process) give the synchronous engine's tokens for greedy and
-seeded requests, logprobs included. The mode's own cases (stops, preemption, aborts, structured outputs, failures) run on the
+seeded requests, logprobs included, and for n=2 (the frontend's two children of one seed). The mode's own cases (stops, preemption, aborts, structured outputs, failures) run on the
 engine core against a fake asynchronous device: tests/core/test_async_scheduling.py."""
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ def params() -> list[SamplingParams]:
             SamplingParams(temperature=0.7, seed=3, top_k=40, max_tokens=9, ignore_eos=True, frequency_penalty=0.5)]
 
 
+FORK = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)  # two children, one seed
+
+
 def test_llm_and_server_with_async_scheduling_give_the_sync_tokens(tiny_llama: Path, tmp_path: Path) -> None:
     with LLM(str(tiny_llama), multiprocess=False, **OPTIONS) as llm:
         want = [o.outputs[0] for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
+        forks = [c.text for c in llm.generate(PROMPTS[:1], FORK, use_tqdm=False)[0].outputs]
     with LLM(str(tiny_llama), async_scheduling=True, multiprocess=False, **OPTIONS) as llm:
         assert llm.config.async_scheduling
         got = [o.outputs[0] for o in llm.generate(PROMPTS, params(), use_tqdm=False)]
@@ -44,3 +48,6 @@ def test_llm_and_server_with_async_scheduling_give_the_sync_tokens(tiny_llama: P
                                             temperature=p.temperature, seed=p.seed,
                                             frequency_penalty=p.frequency_penalty, extra_body=extra)
             assert out.choices[0].text == expected.text, prompt
+        out = client.completions.create(model="m", prompt=PROMPTS[0], n=2, temperature=1.0, seed=5, max_tokens=8,
+                                        extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == forks and forks[0] != forks[1]
