@@ -213,8 +213,8 @@ class ModelRunner:
         if placeholders is not None:
             dst, src, ids = placeholders
             device = batch.input_ids.device
-            batch.input_ids[torch.tensor(dst, device=device)] = ids[torch.tensor(src, device=ids.device)].to(
-                device=device, dtype=batch.input_ids.dtype)
+            batch.input_ids[_indices(dst, device)] = ids[_indices(src, ids.device)].to(device=device,
+                                                                                      dtype=batch.input_ids.dtype)
         size = getattr(batch.meta, "graph_size", 0)
         if self.graphs is not None and size in self.graphs.graphs:
             hidden = self.graphs.replay(batch)  # (N, hidden): every row of a graph step is sampled
@@ -247,6 +247,13 @@ class ModelRunner:
         n_tokens = sum(len(s.token_ids) for s in seqs)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
                           None if len(rows) == n_tokens else rows)  # (R, hidden)
+
+
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """(len,) int64 on `device`. To a GPU through pinned memory, `non_blocking`: a copy from pageable memory
+    would wait for the stream's earlier work, the very wait async scheduling removes."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _logits_rows(seqs: list[ScheduledSeq]) -> list[int]:

@@ -199,7 +199,7 @@ def apply_processors(x: torch.Tensor, meta: SamplingMetadata) -> None:
     if meta.allowed is not None:
         x[meta.allowed_rows] = x[meta.allowed_rows].masked_fill(meta.allowed, NEG_INF)
     if meta.banned is not None:
-        x.index_put_((meta.banned[0], meta.banned[1]), torch.tensor(NEG_INF, device=x.device))
+        x.index_put_((meta.banned[0], meta.banned[1]), torch.full((), NEG_INF, device=x.device))  # no host copy
     if meta.bias is not None:
         assert meta.bias_values is not None
         x.index_put_((meta.bias[0], meta.bias[1]), meta.bias_values, accumulate=True)
