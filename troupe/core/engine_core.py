@@ -53,16 +53,15 @@ from troupe.core.model_runner import ModelRunner
 from troupe.core.overlap import GRAMMAR_WAIT_S, AsyncStepper, DeviceQueue, InlineQueue
 from troupe.core.pooler import Pooler
 from troupe.core.request import Request, RequestStatus
+from troupe.core.request_sampling import RequestSampling, request_failed
 from troupe.core.sampler import LogprobsRow, make_sampler
-from troupe.core.sampling_metadata import SamplingRow
 from troupe.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from troupe.errors import ErrorKind, InvalidInputError, RequestFailure, error_kind
+from troupe.errors import ErrorKind, InvalidInputError, RequestFailure
 from troupe.inputs import ModelLimits, check_runner, validate_prompt_ids, validate_sampling
 from troupe.log import trace, trace_enabled
 from troupe.messages import AddRequest, EngineCoreOutput, EngineCoreOutputs, FinishReason, LogprobsLists
 from troupe.models.loader import load_tokenizer, resolve_tokenizer
 from troupe.pooling import resolve_pooler
-from troupe.structured.backend import bitmask_width
 from troupe.structured.manager import StructuredOutputManager
 
 log = structlog.get_logger("troupe.engine")
@@ -83,6 +82,7 @@ class EngineCore:
                                    policy="priority" if config.scheduling_policy == "priority" else "fcfs",
                                    async_scheduling=config.async_scheduling)
         self.sampler = make_sampler(self.runner.device, seed=config.seed, logprobs_mode=config.logprobs_mode)
+        self.sampling = RequestSampling(self.sampler, self.runner.vocab_size)  # rows, fault isolation
         tokenizer_path = resolve_tokenizer(config.tokenizer) if config.tokenizer else self.runner.model_path
         self.structured = StructuredOutputManager(lambda: load_tokenizer(tokenizer_path), self.runner.vocab_size,
                                                   list(self.runner.info.eos_token_ids),
@@ -272,7 +272,7 @@ class EngineCore:
             try:
                 pooled[rid] = pooler.finish(vector, req.pooling_params)
             except Exception as exc:
-                failed[rid] = self._request_failed(req, "pooling", exc)
+                failed[rid] = request_failed(req, "pooling", exc)
         return pooled
 
     def _trace_scheduled(self, scheduled: Iterable[ScheduledRequest]) -> None:
@@ -320,11 +320,17 @@ class EngineCore:
         in order). A request's prompt logprobs go into `out` with its first token."""
         if any(s.prompt_logits for s in seqs):
             logits = self._take_prompt_logits(seqs, logits, failed)
+        self._send_prompt_logprobs(sampling_reqs, out)
+        return logits
+
+    @staticmethod
+    def _send_prompt_logprobs(sampling_reqs: list[Request], out: dict[str, LogprobsLists]) -> None:
+        """Each of these requests that asked for prompt logprobs and has not had them: into `out` (they go
+        with its first token)."""
         for req in sampling_reqs:
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out[req.request_id] = to_lists(req.prompt_logprob_rows)
                 req.prompt_logprobs_sent = True
-        return logits
 
     def _take_prompt_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor,
                             failed: dict[str, RequestFailure]) -> torch.Tensor:
@@ -337,7 +343,7 @@ class EngineCore:
                 try:
                     add_prompt_logprobs(req, logits[at:at + n], seq.start_pos)
                 except Exception as exc:
-                    error = self._request_failed(req, "computing its prompt logprobs", exc)
+                    error = request_failed(req, "computing its prompt logprobs", exc)
                     if seq.needs_logits:
                         failed[req.request_id] = error
                     else:
@@ -357,7 +363,7 @@ class EngineCore:
                 if not matcher.accept(token):
                     raise ValueError(f"token {token} is not allowed by the grammar here")
             except Exception as exc:
-                failed[rid] = self._request_failed(self._requests[rid], "advancing its grammar", exc)
+                failed[rid] = request_failed(self._requests[rid], "advancing its grammar", exc)
                 del sampled[rid]
                 continue
             if matcher.terminated:
@@ -365,91 +371,5 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]
                 ) -> tuple[dict[str, int], dict[str, RequestFailure], dict[str, LogprobsRow]]:
-        """One token per request of `reqs` (row i of `logits` (S, V) is `reqs[i]`'s), the requests
-        that failed, and the logprobs rows of those that asked: `(sampled, failed, logprobs)`, by id.
-
-        Per-request fault isolation: an exception while building one request's sampling row fails
-        that request alone; if the batched sampler raises, its rows are sampled again one by one
-        (the seeded generators first rewound to where they were) and only the rows that raise on
-        their own fail. Nothing here raises: what cannot be pinned on a request (the forward
-        itself) has failed before this is called."""
-        failed: dict[str, RequestFailure] = {}
-        rows: list[SamplingRow] = []
-        kept: list[int] = []
-        for i, req in enumerate(reqs):
-            try:
-                rows.append(self._sampling_row(req))
-                kept.append(i)
-            except Exception as exc:
-                failed[req.request_id] = self._request_failed(req, "building its sampling row", exc)
-        if not rows:
-            return {}, failed, {}
-        if len(kept) < len(reqs):
-            logits = logits[kept]  # (K, V)
-        ids = [reqs[i].request_id for i in kept]
-        rewind = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
-        try:
-            out = self.sampler.sample(logits, rows)
-            lps = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None}
-            return dict(zip(ids, out.token_ids, strict=True)), failed, lps
-        except Exception as exc:
-            error = exc
-        for generator, state in rewind:
-            generator.set_state(state)
-        sampled, logprobs = self._sample_rows_one_by_one(logits, ids, rows, failed, error)
-        return sampled, failed, logprobs
-
-    def _sample_rows_one_by_one(self, logits: torch.Tensor, ids: list[str], rows: list[SamplingRow],
-                                failed: dict[str, RequestFailure], error: Exception
-                                ) -> tuple[dict[str, int], dict[str, LogprobsRow]]:
-        """After the batched sampler raised `error` (the seeded generators rewound): each row alone; a row that
-        raises on its own fails its request (into `failed`)."""
-        log.warning("batched sampling failed: sampling its rows one by one", rows=len(rows),
-                    error=f"{type(error).__name__}: {error}")
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, LogprobsRow] = {}
-        for i, (rid, row) in enumerate(zip(ids, rows, strict=True)):
-            try:
-                one = self.sampler.sample(logits[i:i + 1], [row])
-            except Exception as exc:
-                failed[rid] = self._request_failed(self._requests[rid], "sampling", exc)
-                continue
-            sampled[rid] = one.token_ids[0]
-            if one.logprobs[0] is not None:
-                logprobs[rid] = one.logprobs[0]
-        return sampled, logprobs
-
-    @staticmethod
-    def _request_failed(req: Request, stage: str, exc: Exception) -> RequestFailure:
-        """Log one request's own failure (with its traceback) and return what its caller gets: the text
-        and whose fault it was (`error_kind`: the request's own conflicting parameters, or internal)."""
-        error = f"{stage} failed: {type(exc).__name__}: {exc}"
-        kind = error_kind(exc)
-        if kind == "internal":
-            log.error("request failed", request_id=req.external_id, internal_id=req.request_id, error=error,
-                      exc_info=exc)
-        else:  # the client's to fix: no traceback
-            log.warning("request failed", request_id=req.external_id, internal_id=req.request_id, error=error,
-                        error_kind=kind)
-        return RequestFailure(error, kind)
-
-    def _sampling_row(self, req: Request) -> SamplingRow:
-        """The request's row for this step. A row without a per-step part (no grammar bitmask, no `min_tokens`
-        suppression) is built once and kept on the request: it holds the request's token lists themselves,
-        which grow in place."""
-        if req.sampling_row is not None:
-            return req.sampling_row
-        suppressed: frozenset[int] = frozenset()
-        if req.num_output_tokens < req.params.min_tokens:
-            suppressed = req.eos_token_ids | req.stop_token_ids
-        bitmask = None
-        matcher = req.matcher
-        if matcher is not None:
-            bitmask = torch.empty(1, bitmask_width(self.runner.vocab_size), dtype=torch.int32)
-            matcher.fill(bitmask, 0)
-            bitmask = bitmask[0]
-        row = SamplingRow(req.params, req.generator, suppressed, req.request_id,
-                          req.output_token_ids, req.prompt_token_ids, req.bad_words_token_ids, bitmask)
-        if not suppressed and matcher is None:
-            req.sampling_row = row
-        return row
+        """`RequestSampling.sample` (a method of its own: `troupe.bench.host` times it)."""
+        return self.sampling.sample(logits, reqs)

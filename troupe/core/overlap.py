@@ -34,18 +34,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from troupe.core.batch import ScheduledSeq
 from troupe.core.logprobs import to_lists
-from troupe.core.request import RequestStatus
+from troupe.core.request import Request, RequestStatus
+from troupe.core.request_sampling import request_failed
 from troupe.core.sampler import LogprobsRow, SamplerOutput
 from troupe.core.sampling_metadata import SamplingRow
 from troupe.core.scheduler import SchedulerOutput
 from troupe.errors import RequestFailure
-from troupe.messages import EngineCoreOutputs, LogprobsLists
+from troupe.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
 
 if TYPE_CHECKING:
     from troupe.core.engine_core import EngineCore
@@ -93,7 +94,7 @@ class InFlight:
     placeholders: tuple[list[int], list[int], Source] | None  # (dst token indices, src rows, their ids)
     forward: Future[torch.Tensor]  # logits: one row per seq that needs logits (and prompt rows)
     sample: Future[Launched] | None = None  # None: nothing to sample (every row failed, or none needs one)
-    ids: list[str] = field(default_factory=list)  # the sampled rows' request ids, in order
+    reqs: list[Request] = field(default_factory=list)  # the sampled rows' requests, in order
     rows: list[SamplingRow] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)  # their rows in the forward's logits
     rewind: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)  # seeded generators' states
@@ -101,8 +102,12 @@ class InFlight:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     fallback_ids: torch.Tensor | None = None  # the ids sampled on the host after a failed batched sampling
 
+    @property
+    def ids(self) -> list[str]:
+        return [req.request_id for req in self.reqs]
+
     def row_of(self) -> dict[str, int]:
-        return {rid: i for i, rid in enumerate(self.ids)}
+        return {req.request_id: i for i, req in enumerate(self.reqs)}
 
 
 class AsyncStepper:
@@ -182,34 +187,27 @@ class AsyncStepper:
     def _launch_sampling(self, step: InFlight) -> None:
         """Step 4 of the module docstring, for `step` (its forward launched, the previous step applied)."""
         core = self.core
-        seqs = step.seqs
-        alive = [s for s in seqs if s.needs_logits]  # the logits' rows, in order
-        if any(s.prompt_logits for s in seqs):  # prompt logprobs read the logits on the host: wait for them
-            reqs = [s.request for s in step.sched.scheduled if s.needs_logits]
-            logits = core._prompt_logprobs(seqs, reqs, self._forward_result(step), step.failed, step.prompt_logprobs)
+        needing = [s.request for s in step.sched.scheduled if s.needs_logits]  # the logits' rows, in order
+        if any(s.prompt_logits for s in step.seqs):  # prompt logprobs read the logits on the host: wait for them
+            logits = core._prompt_logprobs(step.seqs, needing, self._forward_result(step), step.failed,
+                                           step.prompt_logprobs)
             step.forward = InlineQueue().submit(lambda: logits)
         else:
-            for s in step.sched.scheduled:
-                req = s.request
-                if s.needs_logits and req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-                    step.prompt_logprobs[req.request_id] = to_lists(req.prompt_logprob_rows)
-                    req.prompt_logprobs_sent = True
-        sched_reqs = {s.request.request_id: s.request for s in step.sched.scheduled}
-        for row, seq in enumerate(alive):
-            req = sched_reqs[seq.request_id]
+            core._send_prompt_logprobs(needing, step.prompt_logprobs)
+        for row, req in enumerate(needing):
             if req.status == RequestStatus.FINISHED or req.request_id in step.failed:
                 continue  # stopped by the previous step's update: its forward row goes unused
             try:
-                step.rows.append(core._sampling_row(req))
+                step.rows.append(core.sampling.row(req))
             except Exception as exc:
-                step.failed[req.request_id] = core._request_failed(req, "building its sampling row", exc)
+                step.failed[req.request_id] = request_failed(req, "building its sampling row", exc)
                 continue
-            step.ids.append(req.request_id)
+            step.reqs.append(req)
             step.keep.append(row)
         if not step.rows:
             return
         step.rewind = [(r.generator, r.generator.get_state()) for r in step.rows if r.generator is not None]
-        sampler, keep, rows, full = core.sampler, step.keep, step.rows, len(alive)
+        sampler, keep, rows, full = core.sampler, step.keep, step.rows, len(needing)
 
         def sample() -> Launched:
             logits = self._forward_result(step)
@@ -230,7 +228,7 @@ class AsyncStepper:
 
     # ------------------------------------------------------------------ results
 
-    def _finish(self, step: InFlight) -> tuple[list[Any], list[str]]:
+    def _finish(self, step: InFlight) -> tuple[list[EngineCoreOutput], list[str]]:
         """Step 3 of the module docstring: `step`'s ids and logprobs read, then applied as the synchronous
         step applies them (grammars, the scheduler's update)."""
         core = self.core
@@ -240,11 +238,12 @@ class AsyncStepper:
         if step.sample is None:
             self._forward_result(step)  # nothing sampled: still, a forward that failed fails the step
         else:
+            ids = step.ids
             try:
                 out = step.sample.result()[1]()
-                rows: dict[str, LogprobsRow] = {rid: lp for rid, lp in zip(step.ids, out.logprobs, strict=True)
+                rows: dict[str, LogprobsRow] = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True)
                                                 if lp is not None}
-                sampled = dict(zip(step.ids, out.token_ids, strict=True))
+                sampled = dict(zip(ids, out.token_ids, strict=True))
             except Exception as exc:  # the batched sampling (or the forward under it: re-raised below)
                 sampled, rows = self._one_by_one(step, exc)
             live = core._requests  # a request aborted while its step was in flight is forgotten already
@@ -255,14 +254,14 @@ class AsyncStepper:
 
     def _one_by_one(self, step: InFlight, exc: Exception) -> tuple[dict[str, int], dict[str, LogprobsRow]]:
         """The batched sampling raised (on the device queue): rewind the seeded generators and sample the rows
-        one by one on the host, as `EngineCore._sample` does; the ids also go where the next forward finds them."""
+        one by one on the host, as `RequestSampling.sample` does; the ids also go where the next forward finds them."""
         core = self.core
         logits = self._forward_result(step)  # a forward that failed raises here: the engine's failure
         if len(step.keep) != logits.shape[0]:
             logits = logits[step.keep]
         for generator, state in step.rewind:
             generator.set_state(state)
-        sampled, logprobs = core._sample_rows_one_by_one(logits, step.ids, step.rows, step.failed, exc)
+        sampled, logprobs = core.sampling.one_by_one(logits, step.reqs, step.rows, step.failed, exc)
         step.fallback_ids = torch.tensor([sampled.get(rid, 0) for rid in step.ids], dtype=torch.int64,
                                          device=logits.device)
         return sampled, logprobs

@@ -156,9 +156,8 @@ class EngineCoreActor:
             self._cond.notify()
 
     def _flush(self) -> None:
-        """Hand what the inbox brought to the step thread, from a loop callback (`call_soon`): the messages a
-        task sends without yielding (a burst of adds) reach the thread together, as they reached the step
-        under the old one-task loop, so an offline batch's first step holds all of its prompts that arrived."""
+        """Hand what the inbox brought to the step thread, from a loop callback (`call_soon`): the messages read
+        in one pass of the loop (a burst of adds) reach the thread together, so a step takes all of them."""
         self._flush_scheduled = False
         if self._inbound:
             with self._cond:
@@ -196,6 +195,11 @@ class EngineCoreActor:
             while len(self._out) >= MAX_AHEAD and not self._stop:
                 self._cond.wait()
             self._out.append(item)
+        self._wake_forwarder()
+
+    def _wake_forwarder(self) -> None:
+        """Wake the forwarder if it sleeps (from the step thread: one `call_soon_threadsafe`)."""
+        with self._cond:
             waiter, self._out_waiter = self._out_waiter, None
         if waiter is not None:
             waiter[0].call_soon_threadsafe(waiter[1].set)
@@ -210,9 +214,7 @@ class EngineCoreActor:
         finally:
             with self._cond:
                 self._thread_done = True
-                waiter, self._out_waiter = self._out_waiter, None
-            if waiter is not None:
-                waiter[0].call_soon_threadsafe(waiter[1].set)
+            self._wake_forwarder()
 
     def _step_loop(self, core: EngineCore) -> None:
         while True:
