@@ -80,7 +80,7 @@ def _time_calls(fn: Callable[[], Any], n: int) -> float:
     return _median_ms(times)
 
 
-PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "router", "experts")  # those a layer calls count
 
 
 @contextmanager
@@ -98,15 +98,15 @@ def _free(model: Any, kernels: Any, seqs: Any, block_size: int, kv: Any, attenti
                 for name in PROJECTIONS:
                     op = getattr(layer, name)
 
-                    def capture(x: torch.Tensor, op: Any = op, key: tuple[Any, str] = (layer, name)) -> torch.Tensor:
-                        captured[key] = out = op(x)
+                    def capture(*args: torch.Tensor, op: Any = op, key: tuple[Any, str] = (layer, name)) -> torch.Tensor:
+                        captured[key] = out = op(*args)
                         return out
 
                     setattr(layer, name, capture)
                     saved.append((layer, name, op))
             model(batch.input_ids, batch.positions, kv, batch.meta, batch.logits_indices)
-            for layer, name, _ in saved:
-                setattr(layer, name, lambda x, out=captured[(layer, name)]: out)
+            for layer, name, op in saved:  # a projection the layer does not call (a dense MLP's in a MoE layer) stays
+                setattr(layer, name, (lambda *args, out=captured[(layer, name)]: out) if (layer, name) in captured else op)
             if attention:
                 saved.append((kernels, "attention", None))
                 kernels.attention = lambda q, *args, **features: q

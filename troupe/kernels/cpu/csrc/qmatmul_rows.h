@@ -80,6 +80,7 @@ inline void group(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
     for (int64_t o = b * R * F::BYTES; o < (b + 1) * R * F::BYTES; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(pf + o), _MM_HINT_T0);
     const float* xb = x + b * F::QK;
+#pragma GCC unroll 4  // each row's accumulators stay in registers (a loop over r kept them in memory)
     for (int r = 0; r < R; ++r) {
       F::decode(w + r * row_bytes + b * F::BYTES, [&](int c, const Vf* wv) {
         for (int m = 0; m < MB; ++m)
