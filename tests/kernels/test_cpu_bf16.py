@@ -18,7 +18,7 @@ from qmm_cases import FORMATS, ops
 from troupe.config import EngineConfig
 from troupe.errors import InvalidInputError
 from troupe.kernels.cpu import build
-from troupe.kernels.quant import QType, random_quantized
+from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
 
 HAS_BF16 = "avx512_bf16" in build.cpu_flags() and build.isa() == "native"
 needs_bf16 = pytest.mark.skipif(not HAS_BF16 or not build.REQUIRED_CPU_FLAGS <= build.cpu_flags(),
@@ -75,24 +75,82 @@ def test_bf16_gemm_within_the_rounding_bound(qtype: QType) -> None:
 
 
 @needs_bf16
-def test_by_m_choice_and_errors() -> None:
-    """Up to `bf16_rows_max_m()` rows (8 with AMX, else 12) the mode is the output-exact float path bit for
-    bit; above, the bf16 GEMM with the CPU's best kernel (path 1); bad arguments are refused with the reason."""
-    w = random_quantized(QType.Q4_K, N, 512, torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda q: q.name)
+def test_by_m_choice_and_errors(qtype: QType) -> None:
+    """Up to `bf16_rows_max_m()` rows (8 with AMX, else 12) the mode is the 16-bit rows path (path 4) for Q4_K
+    and the output-exact float path for the other formats, bit for bit; above, the bf16 GEMM with the CPU's
+    best kernel (path 1); bad arguments are refused with the reason."""
+    w = random_quantized(qtype, N, 512, torch.Generator().manual_seed(5))
     limit = ops().bf16_rows_max_m()
     assert limit == (8 if ops().bf16_kernels() == 2 else 12)
     for m in (1, 4, limit, limit + 1, 40):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-        got = ops().linear_bf16(x, w.data, int(QType.Q4_K), None, -1)
-        if m <= limit:
-            assert torch.equal(got, ops().linear(x, w.data, int(QType.Q4_K), None, -1))
+        got = ops().linear_bf16(x, w.data, int(qtype), None, -1)
+        if m <= limit and qtype == QType.Q4_K:
+            assert torch.equal(got, ops().linear_bf16(x, w.data, int(qtype), None, 4))
+            assert not torch.equal(got, ops().linear(x, w.data, int(qtype), None, -1))
+        elif m <= limit:
+            assert torch.equal(got, ops().linear(x, w.data, int(qtype), None, -1))
         else:
-            assert torch.equal(got, ops().linear_bf16(x, w.data, int(QType.Q4_K), None, 1))
-            assert torch.equal(got, ops().linear_bf16(x, w.data, int(QType.Q4_K), None, kernels()[-1]))
+            assert torch.equal(got, ops().linear_bf16(x, w.data, int(qtype), None, 1))
+            assert torch.equal(got, ops().linear_bf16(x, w.data, int(qtype), None, kernels()[-1]))
     with pytest.raises(RuntimeError, match="bf16 path must be"):
-        ops().linear_bf16(torch.zeros(20, 512), w.data, int(QType.Q4_K), None, 7)
+        ops().linear_bf16(torch.zeros(20, 512), w.data, int(qtype), None, 7)
+    if qtype != QType.Q4_K:
+        with pytest.raises(RuntimeError, match=f"16-bit rows path needs .*got format {int(qtype)}"):
+            ops().linear_bf16(torch.zeros(2, 512), w.data, int(qtype), None, 4)
+        return
     with pytest.raises(RuntimeError, match="does not match K"):
         ops().linear_bf16(torch.zeros(20, 256), w.data, int(QType.Q4_K), None, 1)
+
+
+def i16_slack(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The largest error of the 16-bit rows path (csrc/rows_i16.h) for x (M, K) @ the Q4_K weight w^T: x rounded
+    to int16 steps of s = max |x| / 32767 per 32-value chunk (at most s / 2 a value) times |ds * q| of the weight,
+    plus float32 rounding (generously (K / 8 + 64) * 2^-24 of sum |x| (|ds q| + |dm|)) and the bias add's."""
+    from troupe.kernels.quant import k_scale_min
+
+    n, k = w.shape
+    b = w.data.reshape(n, k // 256, 144)
+    f16 = b[..., 0:4].contiguous().view(torch.float16).float()  # (n, nb, 2): d, dmin
+    sc, mn = k_scale_min(b[..., 4:16].reshape(-1, 12))
+    ds = (f16[..., 0:1] * sc.reshape(n, -1, 8).float()).abs()  # (n, nb, 8)
+    dm = (f16[..., 1:2] * mn.reshape(n, -1, 8).float()).abs()
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1, 8, 32).double()
+    dsq = (ds.double().unsqueeze(-1) * q).reshape(n, k)  # |ds * q| per value
+    dmv = dm.double().unsqueeze(-1).expand(n, -1, 8, 32).reshape(n, k)
+    xa = x.double().abs()
+    step = xa.reshape(x.shape[0], -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape) / 65534
+    slack = step @ dsq.T + (k / 8 + 64) * 2.0**-24 * (xa @ (dsq + dmv).T)
+    return slack + (bias.double().abs() * 2.0**-23 if bias is not None else 0.0) + 1e-30
+
+
+@needs_bf16
+def test_16_bit_rows_path_within_its_bound() -> None:
+    """Q4_K on the 16-bit rows path (path 4, and what path -1 takes up to the rows limit): M = 1..13 (passes of
+    4 rows of x), N = 37 (a partial group of 4), K = 512 and 768, with and without bias, x with a large
+    outlier per row and an all-zero row: within the bound of x's int16 rounding (module `i16_slack`), and at
+    that rounding's scale (not float32's, not bf16's)."""
+    g = torch.Generator().manual_seed(9)
+    worst = 0.0
+    for k in (512, 768):
+        w = random_quantized(QType.Q4_K, N, k, g)
+        assert isinstance(w, QuantizedTensor)
+        ref = w.dequantize().double()
+        for m in (1, 2, 3, 4, 5, 8, 13):
+            x = torch.randn(m, k, generator=g)
+            x[:, 7] *= 300.0  # an outlier: its chunk's step grows, the other chunks' do not
+            x[m // 2] = 0.0
+            for bias in (None, torch.randn(N, generator=g)):
+                got = ops().linear_bf16(x, w.data, int(QType.Q4_K), bias, 4)
+                want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
+                share = ((got.double() - want).abs() / i16_slack(x, w, bias)).max().item()
+                assert share <= 1.0, f"M={m} K={k}: error {share:.2f} of the int16 bound"
+                worst = max(worst, share)
+                if bias is None:
+                    assert torch.equal(got[m // 2], torch.zeros(N)), "a zero row of x gives zeros"
+    assert worst > 1e-3, f"error {worst:.1e} of the int16 bound: is x rounded at all?"
 
 
 def test_refused_where_the_cpu_lacks_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,3 +159,40 @@ def test_bad_input_is_refused(sets: dict[bool, object]) -> None:
     bad = FusedMoe([half] * E, [half] * E, [d.data for d in down], int(QType.Q8_0), int(QType.Q8_0), False)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="every gate must be"):
         bad(x, ids, w)
+
+
+needs_bf16 = pytest.mark.skipif("avx512_bf16" not in build.cpu_flags() or build.isa() != "native",
+                                reason="this CPU lacks avx512_bf16 (or TROUPE_CPU_ISA=avx2): no gguf-bf16 mode")
+DECODE = ("decode_k2", "decode_k1", "idle_experts", "mixed_sizes")  # every expert at <= 8 tokens
+
+
+@needs_bf16
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda q: q.name)
+def test_bf16_mode_experts(qtype: QType) -> None:
+    """The "gguf-bf16" set's op: decode-sized experts on the 16-bit rows path (Q4_K; csrc/rows_i16.h) or the
+    float rows kernel (Q8_0), fused and per expert, within 1e-4 of the float64 reference (x rounded to 16 bits
+    of its chunk's largest value) and of `grouped_experts` on the same set; an expert with 16 tokens takes the
+    bf16 GEMM (linear_bf16), within bf16's rounding."""
+    from troupe.kernels.cpu import CpuKernels
+    from troupe.kernels.cpu.moe import FusedMoe
+
+    kset = CpuKernels(bf16=True)
+    gate_up, down = experts(qtype, seed=11)
+    op = kset.moe(gate_up, down)
+    assert isinstance(op, FusedMoe) and op.bf16
+    grouped = grouped_experts([kset.linear(w) for w in gate_up], [kset.linear(w) for w in down], kset.silu_and_mul)
+    ref_gu, ref_dn = [dense(w) for w in gate_up], [dense(w) for w in down]
+    for fused_max_m in (-1, 0):
+        op.fused_max_m, op.min_blocks = fused_max_m, 1
+        for name in ROUTINGS:
+            x, ids, w = routing(name)
+            want = reference_moe(x.double(), ids, w, ref_gu, ref_dn)
+            got = op(x, ids, w)
+            tol = 1e-4 if name in DECODE else 2e-2
+            assert rel_err(got, want) < tol, f"{qtype.name} {name} fused_max_m={fused_max_m}: {rel_err(got, want)}"
+            if name in DECODE:
+                assert rel_err(got, grouped(x, ids, w)) < 2e-5, f"{qtype.name} {name}: differs from grouped"
+    exact = CpuKernels().moe(gate_up, down)
+    x, ids, w = routing("decode_k2")
+    differs = not torch.equal(op(x, ids, w), exact(x, ids, w))
+    assert differs == (qtype == QType.Q4_K)  # the 16-bit path is not the float one; Q8_0 keeps the float kernel

@@ -15,7 +15,8 @@ order) so that each sees the same machine load:
 - `fused`: the fused op (`troupe.kernels.cpu.moe`).
 
 It prints the CPU model and thread count, then per T the median milliseconds per layer of each and the
-ratio of grouped's time to fused's. `--q8` uses the 8-bit-activation ("gguf-q8") set.
+ratio of grouped's time to fused's. `--q8` uses the 8-bit-activation ("gguf-q8") set, `--bf16` the "gguf-bf16" one
+(its fused Q4_K experts on the 16-bit rows path).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--q8", action="store_true", help="8-bit activations (the gguf-q8 mode)")
+    p.add_argument("--bf16", action="store_true", help="the gguf-bf16 mode (CPUs with avx512_bf16)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from troupe.kernels.cpu import CpuKernels
     from troupe.kernels.cpu.moe import FusedMoe
 
-    kset = CpuKernels(quantize_activations=args.q8)
+    kset = CpuKernels(quantize_activations=args.q8, bf16=args.bf16)
     qtype, E, h, f = QType[args.qtype], args.experts, args.hidden, args.intermediate
     g = torch.Generator().manual_seed(0)
     candidates: dict[str, list[Callable[..., torch.Tensor]]] = {"grouped": [], "per-expert": [], "fused": []}
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         op = kset.moe(gate_up, down)  # on the blocks where they are (not the arena), as the others
         assert isinstance(op, FusedMoe), "the fused op does not apply to these experts"
         fused: FusedMoe = op
-        per_expert = FusedMoe(fused.gate, fused.up, fused.down, fused.qtype_gate_up, fused.qtype_down, fused.q8)
+        per_expert = FusedMoe(fused.gate, fused.up, fused.down, fused.qtype_gate_up, fused.qtype_down, fused.q8,
+                              fused.bf16)
         per_expert.fused_max_m = 0
         candidates["fused"].append(fused)
         candidates["per-expert"].append(per_expert)
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     weight_mb = sum(int(t.numel()) for t in [*fused.gate, *fused.up, *fused.down]) / 2**20
     print(f"CPU: {_cpu_name()}, {torch.get_num_threads()} threads; {E} experts, top-{args.top_k}, hidden {h}, "
           f"intermediate {f}, {qtype.name} ({weight_mb:.0f} MiB of blocks per layer), {args.layers} layers, "
-          f"{'8-bit' if args.q8 else 'float32'} activations")
+          f"{'8-bit' if args.q8 else 'gguf-bf16' if args.bf16 else 'float32'} activations")
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, h, generator=g)
         routings = []

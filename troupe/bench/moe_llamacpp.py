@@ -136,7 +136,10 @@ class Client:
     def __init__(self, url: str, extra: dict[str, Any], timeout: float) -> None:
         import httpx
 
-        self.http = httpx.Client(base_url=url, timeout=timeout)
+        # a fresh connection per request: llama-server (cpp-httplib) closes a kept-alive connection after a few
+        # requests, and a request sent on one just as it closes fails ("Server disconnected without sending a
+        # response"); connecting over loopback costs both servers the same ~0.1 ms of TTFT
+        self.http = httpx.Client(base_url=url, timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
         self.extra = extra
         self.pool = ThreadPoolExecutor(max_workers=64)
 

@@ -110,7 +110,7 @@ class CpuKernels(EagerKernels):
         """The experts in one compiled call on their blocks, where they are (`moe.py`: not moved into the
         arena, so a GGUF's stay mapped); `grouped_experts` where it does not apply (experts of mixed formats,
         rows that are not whole blocks)."""
-        op = cmoe.fused_moe(gate_up, down, self.quantize_activations)
+        op = cmoe.fused_moe(gate_up, down, self.quantize_activations, self.bf16)
         return op if op is not None else super().moe(gate_up, down)
 
     # ------------------------------------------------------------------ the KV pool

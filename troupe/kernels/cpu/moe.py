@@ -9,7 +9,9 @@ by expert, experts with few tokens (decode) fused (gate and up rows with SiLU x 
 whose work items are (expert, chunk of rows), down rows in a second, so two active experts still spread
 over every thread), experts with many tokens one projection call each (the projections' by-M choice), the
 weighted sum written once, in expert order. `quantize_activations`: the "gguf-q8" mode, whose projections
-take 8-bit activations where `troupe_qmm.linear_q8` would (csrc/moe.cpp has the rule).
+take 8-bit activations where `troupe_qmm.linear_q8` would (csrc/moe.cpp has the rule); `bf16`: the "gguf-bf16"
+mode, whose experts with many tokens take `linear_bf16` and whose fused Q4_K experts the 16-bit rows path
+(`csrc/rows_i16.h`: activations in int16, the blocks' integers exact).
 
 Each expert's gate and up are two weights of (f, h) to the kernel: a GGUF's come as the parts
 `[gate, up]`, views of the file's `ffn_gate_exps` / `ffn_up_exps` blocks; a whole (2f, h) one is split into
@@ -51,25 +53,27 @@ def as_blocks(weight: Weight) -> tuple[torch.Tensor, int] | None:
 class FusedMoe:
     """The op (see the module docstring) over the experts' blocks, bound once."""
 
-    __slots__ = ("gate", "up", "down", "qtype_gate_up", "qtype_down", "q8", "fused_max_m", "min_blocks")
+    __slots__ = ("gate", "up", "down", "qtype_gate_up", "qtype_down", "q8", "bf16", "fused_max_m", "min_blocks")
 
     def __init__(self, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], qtype_gate_up: int,
-                 qtype_down: int, q8: bool) -> None:
+                 qtype_down: int, q8: bool, bf16: bool = False) -> None:
         self.gate, self.up, self.down = gate, up, down  # [E] of (f, row_bytes) / (f, row_bytes) / (h, row_bytes) uint8
         self.qtype_gate_up, self.qtype_down = qtype_gate_up, qtype_down
         self.q8 = q8
+        self.bf16 = bf16 and not q8
         self.fused_max_m = -1  # experts with up to this many tokens fused (-1: the kernel's own limit; 0: none)
         self.min_blocks = -1  # weight blocks per thread at least (-1: the kernel's own; tests set 1 to split tiny shapes)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # (T, h)
         dtype = x.dtype
         y = torch.ops.troupe_moe.moe(x if dtype == torch.float32 else x.float(), ids, weights.float(), self.gate,
-                                     self.up, self.down, self.qtype_gate_up, self.qtype_down, self.q8,
+                                     self.up, self.down, self.qtype_gate_up, self.qtype_down, self.q8, self.bf16,
                                      self.fused_max_m, self.min_blocks)
         return y if dtype == torch.float32 else y.to(dtype)
 
 
-def fused_moe(gate_up: Sequence[ExpertGateUp], down: Sequence[Weight], quantize_activations: bool) -> FusedMoe | None:
+def fused_moe(gate_up: Sequence[ExpertGateUp], down: Sequence[Weight], quantize_activations: bool,
+              bf16: bool = False) -> FusedMoe | None:
     """The fused op over the experts (gate_up[e] (2f, h) or [gate (f, h), up (f, h)], down[e] (h, f)), or None
     where it does not apply."""
     halves = [gate_up_parts(w) for w in gate_up]
@@ -84,4 +88,4 @@ def fused_moe(gate_up: Sequence[ExpertGateUp], down: Sequence[Weight], quantize_
         return None
     assert gate[0] is not None and dn[0] is not None
     return FusedMoe([b[0] for b in gate if b], [b[0] for b in up if b], [b[0] for b in dn if b], gate[0][1], dn[0][1],
-                    quantize_activations)
+                    quantize_activations, bf16)

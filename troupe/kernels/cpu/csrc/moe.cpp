@@ -27,6 +27,11 @@
 // for its token count in both projections (every Intel and AVX-512 build at <= 4 rows); otherwise it takes
 // linear_q8 per projection, as the unfused op does. Results are those of the projection kernels: the
 // fused float path sums each output as qmatmul's rows path does (exact up to summation order).
+//
+// bfloat16 batches (`bf16`, the "gguf-bf16" mode): experts with more tokens take linear_bf16 (the bf16 panel
+// GEMM above its rows limit); fused experts in a format the 16-bit rows path decodes (rows_i16.h: Q4_K) take
+// that path, on x's rows and then the activations' rows quantized to int16 once per call; others the float
+// rows kernel, as without `bf16`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -42,6 +47,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include "qmatmul_rows.h"
 #include "quant.h"
+#include "rows_i16.h"
 #include "vec_attn.h"
 
 namespace troupe_moe_silu {
@@ -84,6 +90,7 @@ using LinearSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&
 struct Ops {
   c10::TypedOperatorHandle<LinearSig> linear;
   c10::TypedOperatorHandle<LinearSig> linear_q8;
+  c10::TypedOperatorHandle<LinearSig> linear_bf16;
   c10::TypedOperatorHandle<int64_t(int64_t, int64_t)> q8_path;
 };
 
@@ -94,7 +101,7 @@ c10::TypedOperatorHandle<Sig> find(const char* name) {
 
 const Ops& ops() {  // looked up on the first call (troupe_qmm and troupe_fused load before this library)
   static const Ops o{find<LinearSig>("troupe_qmm::linear"), find<LinearSig>("troupe_qmm::linear_q8"),
-                     find<int64_t(int64_t, int64_t)>("troupe_qmm::q8_path")};
+                     find<LinearSig>("troupe_qmm::linear_bf16"), find<int64_t(int64_t, int64_t)>("troupe_qmm::q8_path")};
   return o;
 }
 
@@ -133,6 +140,25 @@ void chunk_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   }
 }
 
+#if defined(TROUPE_ROWS_I16)
+// chunk_rows on the 16-bit rows path ("gguf-bf16"): x's M rows prepared once (rows_i16.h)
+template <int Q>
+void chunk_rows_i16(const rows_i16::PreparedRows& x, int64_t row0, int64_t M, const uint8_t* w, int64_t rb, int64_t N,
+                    int64_t n0, int64_t n1, float* out) {
+  for (int64_t m0 = 0; m0 < M; m0 += PASS_M) {
+    const rows_i16::Prepared xm = x.rows_from(row0 + m0);
+    float* om = out + m0 * N;
+    const int64_t K = x.K;
+    switch (std::min(PASS_M, M - m0)) {
+      case 1: rows_i16::range<Q, 1>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
+      case 2: rows_i16::range<Q, 2>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
+      case 3: rows_i16::range<Q, 3>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
+      default: rows_i16::range<Q, 4>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
+    }
+  }
+}
+#endif
+
 // Rows per work item over `rows` rows of each of `experts` experts: about ITEMS_PER_THREAD items per thread
 // in all (long runs stream the weights best; enough items spread the experts over every thread), a
 // multiple of CHUNK
@@ -168,7 +194,7 @@ struct Expert {
 
 Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, const std::vector<Tensor>& gate,
            const std::vector<Tensor>& up, const std::vector<Tensor>& down, int64_t qtype_gate_up, int64_t qtype_down,
-           bool q8, int64_t fused_max_m, int64_t min_blocks) {
+           bool q8, bool bf16, int64_t fused_max_m, int64_t min_blocks) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "troupe_moe: x must be (T, h) float32");
   TORCH_CHECK(ids_in.scalar_type() == at::kLong && ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0),
               "troupe_moe: ids must be (T, k) int64");
@@ -220,7 +246,7 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
   });
 
   for (const Expert& ex : batched) {  // one projection call each, threaded over its rows
-    const auto& lin = q8 ? ops().linear_q8 : ops().linear;
+    const auto& lin = q8 ? ops().linear_q8 : bf16 ? ops().linear_bf16 : ops().linear;
     const Tensor xe = xs.narrow(0, ex.start, ex.n);
     const Tensor g = lin.call(xe, gate[ex.e], qtype_gate_up, std::nullopt, -1).contiguous();  // (n, f)
     const Tensor u = lin.call(xe, up[ex.e], qtype_gate_up, std::nullopt, -1).contiguous();
@@ -249,6 +275,19 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
     // an item's cost: its weight blocks, streamed once per pass and multiplied into each token
     auto cost = [&](const Expert& ex, int64_t blocks) { return blocks * (2 * ((ex.n + PASS_M - 1) / PASS_M) + ex.n) / 3; };
     const int64_t rb_gu = gate[0].size(1), rb_dn = down[0].size(1);
+#if defined(TROUPE_ROWS_I16)
+    // "gguf-bf16": the formats the 16-bit rows path decodes take it, on x's (then the activations') rows
+    // prepared once (only the fused experts' rows)
+    const bool i16_gu = bf16 && rows_i16::supported(qtype_gate_up), i16_dn = bf16 && rows_i16::supported(qtype_down);
+    rows_i16::PreparedRows xprep(i16_gu ? rows_fused : 0, h), aprep(i16_dn ? rows_fused : 0, f);
+    auto prepare = [&](rows_i16::PreparedRows& p, const float* rows, int64_t K) {
+      at::parallel_for(0, nf, 1, [&](int64_t e0, int64_t e1) {
+        for (int64_t e = e0; e < e1; ++e)
+          for (int64_t m = fused[e].start; m < fused[e].start + fused[e].n; ++m) p.prepare(rows + m * K, m);
+      });
+    };
+    if (i16_gu) prepare(xprep, xsp, h);
+#endif
     dispatch(qtype_gate_up, [&](auto q) {
       constexpr int Q = decltype(q)::value;
       const int64_t item_blocks = 2 * f_rows * (h / Fmt<Q>::QK);
@@ -258,12 +297,26 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
           const int64_t n0 = i % f_items * f_rows, n1 = std::min(f, n0 + f_rows);
           float* g = gtp + ex.start * f;
           float* u = utp + ex.start * f;
+#if defined(TROUPE_ROWS_I16)
+          if constexpr (Q == Q4_K) {
+            if (i16_gu) {
+              chunk_rows_i16<Q>(xprep, ex.start, ex.n, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);
+              chunk_rows_i16<Q>(xprep, ex.start, ex.n, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);
+              for (int64_t m = 0; m < ex.n; ++m)
+                troupe_moe_silu::silu_mul(g + m * f + n0, u + m * f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
+              return;
+            }
+          }
+#endif
           chunk_rows<Q>(xsp + ex.start * h, ex.n, h, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);  // gate rows
           chunk_rows<Q>(xsp + ex.start * h, ex.n, h, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);    // up rows
           for (int64_t m = 0; m < ex.n; ++m)
             troupe_moe_silu::silu_mul(g + m * f + n0, u + m * f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
       });
     });
+#if defined(TROUPE_ROWS_I16)
+    if (i16_dn) prepare(aprep, actp, f);
+#endif
     dispatch(qtype_down, [&](auto q) {
       constexpr int Q = decltype(q)::value;
       const int64_t item_blocks = h_rows * (f / Fmt<Q>::QK);
@@ -271,6 +324,14 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
                    [&](int64_t i) {
           const Expert& ex = fused[i / h_items];
           const int64_t n0 = i % h_items * h_rows, n1 = std::min(h, n0 + h_rows);
+#if defined(TROUPE_ROWS_I16)
+          if constexpr (Q == Q4_K) {
+            if (i16_dn) {
+              chunk_rows_i16<Q>(aprep, ex.start, ex.n, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1, yp + ex.start * h);
+              return;
+            }
+          }
+#endif
           chunk_rows<Q>(actp + ex.start * f, ex.n, f, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1, yp + ex.start * h);
       });
     });
@@ -303,6 +364,6 @@ TORCH_LIBRARY(troupe_moe, m) {
   // benchmark); min_blocks: weight blocks a thread gets at least before another is woken (-1: the rows
   // path's own minimum; tests: 1, to split tiny shapes)
   m.def("moe(Tensor x, Tensor ids, Tensor weights, Tensor[] gate, Tensor[] up, Tensor[] down, int qtype_gate_up, "
-        "int qtype_down, bool q8, int fused_max_m, int min_blocks) -> Tensor",
+        "int qtype_down, bool q8, bool bf16, int fused_max_m, int min_blocks) -> Tensor",
         &troupe_moe::moe);
 }

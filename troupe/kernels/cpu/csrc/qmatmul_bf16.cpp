@@ -2,7 +2,8 @@
 // in the panel packing, x rounded to bfloat16 once per call, products summed in float32 (panel_bf16.h has
 // the layouts, the micro-kernels and the error bound). For batches only: up to `bf16_rows_max_m()` rows
 // (decode, where the weights' memory traffic and the packing, not the multiply-adds, set the time) the call
-// is the output-exact float path's (troupe_qmm::linear, by M).
+// is the 16-bit rows path's (rows_i16.h: x in int16, the blocks' integers exact, `vpdpwssd`) for the formats
+// it decodes, else the output-exact float path's (troupe_qmm::linear, by M).
 //
 // Built where the compiler targets AVX512_BF16 (`-march=native` on a CPU with avx512_bf16); elsewhere the op
 // exists and raises. `bf16_kernels()` says which kernels: 0 none, 1 avx512_bf16, 2 AMX as well.
@@ -20,6 +21,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include "panel_bf16.h"
 #include "panel_gemm.h"
+#include "rows_i16.h"
 
 at::Tensor qmatmul_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
                           int64_t path);
@@ -90,12 +92,27 @@ void bf16_panel(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 }
 #endif
 
-// path: -1 by M (the float path up to bf16_rows_max_m() rows, then the bf16 panel GEMM with the CPU's best
-// kernel), 1 that GEMM at any M; forced (tests, benchmarks): 2 the avx512_bf16 kernel, 3 the AMX one.
+// Whether the 16-bit rows path (rows_i16.h) takes `qtype` in this build
+bool i16_rows(int64_t qtype) {
+#if defined(TROUPE_ROWS_I16)
+  return rows_i16::supported(qtype);
+#else
+  (void)qtype;
+  return false;
+#endif
+}
+
+// path: -1 by M (up to bf16_rows_max_m() rows the 16-bit rows path for the formats it decodes, else the float
+// path; then the bf16 panel GEMM with the CPU's best kernel), 1 that GEMM at any M; forced (tests,
+// benchmarks): 2 the avx512_bf16 kernel, 3 the AMX one, 4 the 16-bit rows path.
 at::Tensor qmatmul_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                                const std::optional<at::Tensor>& bias, int64_t path) {
-  TORCH_CHECK(path >= -1 && path <= 3 && path != 0, "troupe_qmm: bf16 path must be -1, 1, 2 or 3, got ", path);
-  if (path == -1 && x.dim() == 2 && x.size(0) <= bf16_rows_max_m()) return qmatmul_linear(x, w, qtype, bias, -1);
+  TORCH_CHECK(path >= -1 && path <= 4 && path != 0, "troupe_qmm: bf16 path must be -1, 1, 2, 3 or 4, got ", path);
+  const bool small = x.dim() == 2 && x.size(0) <= bf16_rows_max_m();
+  TORCH_CHECK(path != 4 || i16_rows(qtype), "troupe_qmm: the 16-bit rows path needs AVX512_VNNI and a format it "
+              "decodes (Q4_K), got format ", qtype);
+  if (path == -1 && small && !i16_rows(qtype)) return qmatmul_linear(x, w, qtype, bias, -1);
+  if (path == -1 && small) path = 4;
   const int64_t kernel = path == 2 || path == 3 ? path - 1 : bf16_kernels();
   TORCH_CHECK(kernel > 0, "troupe_qmm: linear_bf16 needs kernels built for avx512_bf16, and this build targets a CPU without it");
   TORCH_CHECK(kernel <= bf16_kernels(), "troupe_qmm: the AMX kernel needs AMX tiles (amx_bf16 and the OS's permission), "
@@ -117,6 +134,12 @@ at::Tensor qmatmul_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const at::Tensor xc = x.contiguous();
+#if defined(TROUPE_ROWS_I16)
+  if (path == 4) {
+    rows_i16::rows_path<Q4_K>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b);
+    return out;
+  }
+#endif
   dispatch(qtype, [&](auto q) {
     bf16_panel<decltype(q)::value>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b, kernel);
   });

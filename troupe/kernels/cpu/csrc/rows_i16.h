@@ -1,0 +1,178 @@
+// The 16-bit rows path of "gguf-bf16" at decode sizes: y (M, N) = x (M, K) @ W^T (+ bias) for a few rows of
+// x, with x quantized to int16 once per call and W's K-quant blocks multiplied as the small integers they
+// hold, by `vpdpwssd` (AVX512_VNNI: 32 int16 products summed into 16 int32 lanes per instruction, at the FMA's
+// rate). Included by qmatmul_bf16.cpp and moe.cpp, after qmatmul_rows.h (the float rows path, whose grouping,
+// prefetching and threading this one follows).
+//
+// A Q4_K sub-block of 32 values is w_i = ds_j * q_i - dm_j (q_i a nibble, ds_j = d * scale_j, dm_j = dmin *
+// min_j: quant.h). With x_i ~= s * xq_i (xq_i int16, one s per 32 values of x: s = max |x_i| / 32767):
+//   dot(x, w) over the sub-block ~= (ds_j * s) * dot(xq, q) - dm_j * sum(x)
+// dot(xq, q) is exact in int32 (32 x 15 x 32767 < 2^31); sum(x) is x's own float32 sum. Per 64 weights: one
+// widening load, an AND and a shift for the two nibbles, then per row of x two `vpdpwssd`, two conversions
+// and two FMAs, against the float path's two table builds, four lookups (on the shuffle port) and four
+// FMAs. On a Xeon (model 207) 1.6x the float rows path at M = 1, 1.45x at 2, 1.3x at 4 (docs/kernels.md).
+//
+// Error: the weights are exact; x is rounded to 16 bits of its 32-value chunk's largest magnitude (relative
+// 2^-16 of it per value: far finer than the bf16 GEMM's rounding of x to 8 significant bits); the rest is
+// float32 arithmetic. tests/kernels/test_cpu_bf16.py bounds it against x times the reference's dequantized
+// weights in float64.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qmatmul_rows.h"
+#include "quant.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TROUPE_ROWS_I16 1
+namespace troupe_quant {
+namespace rows_i16 {
+
+// the formats with a 16-bit rows decoder; the others keep the float rows path
+constexpr bool supported(int64_t qtype) { return qtype == Q4_K; }
+
+// rows of x per pass over the weights (the float rows path's largest group)
+constexpr int64_t PASS_M = 4;
+
+// x prepared for M rows (each K values, K a multiple of 32): q (M, K) int16, per 32-value chunk its scale s
+// and its float32 sum (M, K / 32 each)
+struct Prepared {
+  const int16_t* q;
+  const float* s;
+  const float* sum;
+  int64_t ldq, lds;  // row strides of q and of s / sum
+};
+
+// one row of x into q[K], s[K / 32], sum[K / 32]
+inline void prepare_row(const float* x, int64_t K, int16_t* q, float* s, float* sum) {
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const __m512 a = _mm512_loadu_ps(x + 32 * c), b = _mm512_loadu_ps(x + 32 * c + 16);
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    s[c] = mx / 32767.0f;
+    sum[c] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    // round to nearest (MXCSR's default), saturated to int16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * c + 16),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+  }
+}
+
+// Storage for M prepared rows of K values, and the view of it.
+struct PreparedRows {
+  std::vector<int16_t> q;
+  std::vector<float> s, sum;
+  int64_t K = 0;
+  PreparedRows(int64_t M, int64_t K_) : q(M * K_), s(M * (K_ / 32)), sum(M * (K_ / 32)), K(K_) {}
+  void prepare(const float* x, int64_t row) { prepare_row(x, K, q.data() + row * K, s.data() + row * (K / 32), sum.data() + row * (K / 32)); }
+  Prepared rows_from(int64_t row) const {
+    return {q.data() + row * K, s.data() + row * (K / 32), sum.data() + row * (K / 32), K, K / 32};
+  }
+};
+
+// out[m * ldo + r] = dot(x[m], W[n + r]) (+ bias[r]) for m < MB, r < R: `w` points at row n, `pf` at the bytes
+// to prefetch while this group computes (as rows::group)
+template <int Q, int MB, int R>
+inline void group(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* pf, float* out,
+                  int64_t ldo, const float* bias) {
+  static_assert(Q == Q4_K, "the 16-bit rows path decodes Q4_K");
+  using F = Fmt<Q>;
+  const __m512i low4 = _mm512_set1_epi16(0x000F), zero = _mm512_setzero_si512();
+  Vf acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t o = b * R * F::BYTES; o < (b + 1) * R * F::BYTES; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + o), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * F::BYTES;
+      alignas(32) float ds[8], dm[8];
+      k_scales(blk, ds, dm);
+      alignas(32) float f[MB][8];  // ds_j * s_j per row of x, read back as broadcasts (as k_scales's)
+      for (int m = 0; m < MB; ++m) {
+        const float* xs = x.s + m * x.lds + b * 8;
+        _mm256_store_ps(f[m], _mm256_mul_ps(_mm256_load_ps(ds), _mm256_loadu_ps(xs)));
+        // - sum_j dm_j * sum(x over sub-block j), in the low 8 lanes
+        acc[r][m] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_load_ps(dm)),
+                                     _mm512_zextps256_ps512(_mm256_loadu_ps(x.sum + m * x.lds + b * 8)), acc[r][m]);
+      }
+      asm volatile("" : : "r"(f) : "memory");
+      const uint8_t* q = blk + 16;
+      for (int c = 0; c < 4; ++c) {  // bytes 32c.. hold sub-block 2c (low nibbles) and 2c + 1 (high)
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* xq = x.q + m * x.ldq + b * 256 + 64 * c;
+          const __m512i s_lo = _mm512_dpwssd_epi32(zero, lo, _mm512_loadu_si512(xq));
+          const __m512i s_hi = _mm512_dpwssd_epi32(zero, hi, _mm512_loadu_si512(xq + 32));
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo), _mm512_set1_ps(f[m][2 * c]), acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_hi), _mm512_set1_ps(f[m][2 * c + 1]), acc[r][m]);
+        }
+      }
+    }
+  }
+  if constexpr (R == 4) {
+    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), bv));
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) out[m * ldo + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r] : 0.0f);
+  }
+}
+
+// rows [g0 * R, min(g1 * R, N)) of the output for MB rows of x, R = rows::group_rows<MB>() (as rows::range)
+template <int Q, int MB>
+void range(const Prepared& x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t g0, int64_t g1,
+           float* out, int64_t ldo, const float* bias) {
+  constexpr int R = rows::group_rows<MB>();
+  const int64_t nb = K / Fmt<Q>::QK;
+  const uint8_t* last = w + (N - 1) * row_bytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n = g * R;
+    const float* bb = bias ? bias + n : nullptr;
+    if (n + R <= N) {
+      const uint8_t* pf = std::min(w + (n + rows::PREFETCH_ROWS) * row_bytes, w + (N - R) * row_bytes);
+      group<Q, MB, R>(x, w + n * row_bytes, row_bytes, nb, pf, out + n, ldo, bb);
+    } else {  // the last, partial group: one row at a time
+      for (int64_t r = n; r < N; ++r)
+        group<Q, MB, 1>(x, w + r * row_bytes, row_bytes, nb, last, out + r, ldo, bias ? bias + r : nullptr);
+    }
+  }
+}
+
+// Output rows [n0, n1) (multiples of 4, or n1 = N) for all M rows of x, in passes of PASS_M rows of x.
+template <int Q>
+void rows_range(const PreparedRows& x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0, int64_t n1,
+                float* out, int64_t ldo, const float* bias) {
+  for (int64_t m0 = 0; m0 < M; m0 += PASS_M) {
+    const Prepared xm = x.rows_from(m0);
+    float* om = out + m0 * ldo;
+    const int64_t K = x.K;
+    switch (std::min(PASS_M, M - m0)) {
+      case 1: range<Q, 1>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
+      case 2: range<Q, 2>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
+      case 3: range<Q, 3>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
+      default: range<Q, 4>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
+    }
+  }
+}
+static_assert(rows::group_rows<1>() == 4 && rows::group_rows<4>() == 4, "rows_range assumes groups of 4 weight rows");
+
+// y = x @ W^T (+ bias) for M rows of x: N split across threads in contiguous runs of groups of 4 rows
+template <int Q>
+void rows_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* out,
+               const float* bias) {
+  PreparedRows xp(M, K);
+  for (int64_t m = 0; m < M; ++m) xp.prepare(x + m * K, m);
+  const int64_t groups = (N + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, rows::MIN_BLOCKS_PER_THREAD / std::max<int64_t>(1, 4 * (K / Fmt<Q>::QK)));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    rows_range<Q>(xp, M, w, row_bytes, N, 4 * g0, std::min(N, 4 * g1), out, N, bias);
+  });
+}
+
+}  // namespace rows_i16
+}  // namespace troupe_quant
+#endif
