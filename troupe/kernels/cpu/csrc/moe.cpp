@@ -297,19 +297,20 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
           const int64_t n0 = i % f_items * f_rows, n1 = std::min(f, n0 + f_rows);
           float* g = gtp + ex.start * f;
           float* u = utp + ex.start * f;
+          bool done = false;
 #if defined(TROUPE_ROWS_I16)
           if constexpr (Q == Q4_K) {
             if (i16_gu) {
               chunk_rows_i16<Q>(xprep, ex.start, ex.n, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);
               chunk_rows_i16<Q>(xprep, ex.start, ex.n, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);
-              for (int64_t m = 0; m < ex.n; ++m)
-                troupe_moe_silu::silu_mul(g + m * f + n0, u + m * f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
-              return;
+              done = true;
             }
           }
 #endif
-          chunk_rows<Q>(xsp + ex.start * h, ex.n, h, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);  // gate rows
-          chunk_rows<Q>(xsp + ex.start * h, ex.n, h, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);    // up rows
+          if (!done) {
+            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);  // gate rows
+            chunk_rows<Q>(xsp + ex.start * h, ex.n, h, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);    // up rows
+          }
           for (int64_t m = 0; m < ex.n; ++m)
             troupe_moe_silu::silu_mul(g + m * f + n0, u + m * f + n0, n1 - n0, actp + (ex.start + m) * f + n0);
       });
@@ -326,10 +327,8 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
           const int64_t n0 = i % h_items * h_rows, n1 = std::min(h, n0 + h_rows);
 #if defined(TROUPE_ROWS_I16)
           if constexpr (Q == Q4_K) {
-            if (i16_dn) {
-              chunk_rows_i16<Q>(aprep, ex.start, ex.n, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1, yp + ex.start * h);
-              return;
-            }
+            if (i16_dn) return chunk_rows_i16<Q>(aprep, ex.start, ex.n, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1,
+                                                 yp + ex.start * h);
           }
 #endif
           chunk_rows<Q>(actp + ex.start * f, ex.n, f, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1, yp + ex.start * h);
