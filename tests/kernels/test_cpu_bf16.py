@@ -23,6 +23,7 @@ from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
 HAS_BF16 = "avx512_bf16" in build.cpu_flags() and build.isa() == "native"
 needs_bf16 = pytest.mark.skipif(not HAS_BF16 or not build.REQUIRED_CPU_FLAGS <= build.cpu_flags(),
                                 reason="this CPU lacks avx512_bf16 (or TROUPE_CPU_ISA=avx2): no bf16 kernels to test")
+I16_FORMATS = [QType.Q4_K, QType.Q5_K, QType.Q6_K]  # the 16-bit rows path's (csrc/rows_i16.h)
 ROWS = [9, 13, 31, 64, 65, 300]  # M: odd, around the fused/tiled switch at 64
 N = 37  # not a multiple of the panel's 32 rows or of a vector
 
@@ -75,18 +76,18 @@ def test_bf16_gemm_within_the_rounding_bound(qtype: QType) -> None:
 
 
 @needs_bf16
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q4_1], ids=lambda q: q.name)
 def test_by_m_choice_and_errors(qtype: QType) -> None:
-    """Up to `bf16_rows_max_m()` rows (8 with AMX, else 12) the mode is the 16-bit rows path (path 4) for Q4_K
-    and the output-exact float path for the other formats, bit for bit; above, the bf16 GEMM with the CPU's
-    best kernel (path 1); bad arguments are refused with the reason."""
+    """Up to `bf16_rows_max_m()` rows (8 with AMX, else 12) the mode is the 16-bit rows path (path 4) for the
+    K-quants and the output-exact float path for the other formats, bit for bit; above, the bf16 GEMM with
+    the CPU's best kernel (path 1); bad arguments are refused with the reason."""
     w = random_quantized(qtype, N, 512, torch.Generator().manual_seed(5))
     limit = ops().bf16_rows_max_m()
     assert limit == (8 if ops().bf16_kernels() == 2 else 12)
     for m in (1, 4, limit, limit + 1, 40):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         got = ops().linear_bf16(x, w.data, int(qtype), None, -1)
-        if m <= limit and qtype == QType.Q4_K:
+        if m <= limit and qtype in I16_FORMATS:
             assert torch.equal(got, ops().linear_bf16(x, w.data, int(qtype), None, 4))
             assert not torch.equal(got, ops().linear(x, w.data, int(qtype), None, -1))
         elif m <= limit:
@@ -96,46 +97,60 @@ def test_by_m_choice_and_errors(qtype: QType) -> None:
             assert torch.equal(got, ops().linear_bf16(x, w.data, int(qtype), None, kernels()[-1]))
     with pytest.raises(RuntimeError, match="bf16 path must be"):
         ops().linear_bf16(torch.zeros(20, 512), w.data, int(qtype), None, 7)
-    if qtype != QType.Q4_K:
+    if qtype not in I16_FORMATS:
         with pytest.raises(RuntimeError, match=f"16-bit rows path needs .*got format {int(qtype)}"):
             ops().linear_bf16(torch.zeros(2, 512), w.data, int(qtype), None, 4)
-        return
     with pytest.raises(RuntimeError, match="does not match K"):
-        ops().linear_bf16(torch.zeros(20, 256), w.data, int(QType.Q4_K), None, 1)
+        ops().linear_bf16(torch.zeros(20, 256), w.data, int(qtype), None, 1)
 
 
-def i16_slack(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The largest error of the 16-bit rows path (csrc/rows_i16.h) for x (M, K) @ the Q4_K weight w^T: x rounded
-    to int16 steps of s = max |x| / 32767 per 32-value chunk (at most s / 2 a value) times |ds * q| of the weight,
-    plus float32 rounding (generously (K / 8 + 64) * 2^-24 of sum |x| (|ds q| + |dm|)) and the bias add's."""
+def weight_parts(w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|ds * q|, |dm|) per value (n, k) of a K-quant weight, w = ds * q - dm: the integer part the 16-bit rows
+    path multiplies with x's int16 values and the min it takes off with x's sums (Q6_K: |w| and 0)."""
     from troupe.kernels.quant import k_scale_min
 
     n, k = w.shape
-    b = w.data.reshape(n, k // 256, 144)
+    if w.qtype == QType.Q6_K:
+        return w.dequantize().double().abs(), torch.zeros(n, k, dtype=torch.float64)
+    nbytes = 176 if w.qtype == QType.Q5_K else 144
+    b = w.data.reshape(n, k // 256, nbytes)
     f16 = b[..., 0:4].contiguous().view(torch.float16).float()  # (n, nb, 2): d, dmin
     sc, mn = k_scale_min(b[..., 4:16].reshape(-1, 12))
     ds = (f16[..., 0:1] * sc.reshape(n, -1, 8).float()).abs()  # (n, nb, 8)
     dm = (f16[..., 1:2] * mn.reshape(n, -1, 8).float()).abs()
-    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
-    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1, 8, 32).double()
-    dsq = (ds.double().unsqueeze(-1) * q).reshape(n, k)  # |ds * q| per value
-    dmv = dm.double().unsqueeze(-1).expand(n, -1, 8, 32).reshape(n, k)
+    qs = b[..., nbytes - 128:].reshape(n, -1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1, 8, 32)
+    if w.qtype == QType.Q5_K:  # bit j of qh[l]: bit 4 of value l of sub-block j
+        qh = b[..., 16:48].reshape(n, -1, 1, 32)
+        q = q | (((qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
+    dsq = (ds.double().unsqueeze(-1) * q.double()).reshape(n, k)
+    return dsq, dm.double().unsqueeze(-1).expand(n, -1, 8, 32).reshape(n, k)
+
+
+def i16_slack(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The largest error of the 16-bit rows path (csrc/rows_i16.h) for x (M, K) @ the K-quant weight w^T: x
+    rounded to int16 steps of s = max |x| / 32767 per 32-value chunk (at most s / 2 a value) times |ds * q| of
+    the weight, plus float32 rounding (generously (K / 8 + 64) * 2^-24 of sum |x| (|ds q| + |dm|)) and the
+    bias add's."""
+    dsq, dm = weight_parts(w)
+    k = x.shape[1]
     xa = x.double().abs()
     step = xa.reshape(x.shape[0], -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape) / 65534
-    slack = step @ dsq.T + (k / 8 + 64) * 2.0**-24 * (xa @ (dsq + dmv).T)
+    slack = step @ dsq.T + (k / 8 + 64) * 2.0**-24 * (xa @ (dsq + dm).T)
     return slack + (bias.double().abs() * 2.0**-23 if bias is not None else 0.0) + 1e-30
 
 
 @needs_bf16
-def test_16_bit_rows_path_within_its_bound() -> None:
-    """Q4_K on the 16-bit rows path (path 4, and what path -1 takes up to the rows limit): M = 1..13 (passes of
-    4 rows of x), N = 37 (a partial group of 4), K = 512 and 768, with and without bias, x with a large
-    outlier per row and an all-zero row: within the bound of x's int16 rounding (module `i16_slack`), and at
+@pytest.mark.parametrize("qtype", I16_FORMATS, ids=lambda q: q.name)
+def test_16_bit_rows_path_within_its_bound(qtype: QType) -> None:
+    """The K-quants on the 16-bit rows path (path 4, and what path -1 takes up to the rows limit): M = 1..13
+    (passes of 4 rows of x), N = 37 (a partial group of 4), K = 512 and 768, with and without bias, x with a
+    large outlier per row and an all-zero row: within the bound of x's int16 rounding (`i16_slack`), and at
     that rounding's scale (not float32's, not bf16's)."""
     g = torch.Generator().manual_seed(9)
     worst = 0.0
     for k in (512, 768):
-        w = random_quantized(QType.Q4_K, N, k, g)
+        w = random_quantized(qtype, N, k, g)
         assert isinstance(w, QuantizedTensor)
         ref = w.dequantize().double()
         for m in (1, 2, 3, 4, 5, 8, 13):
@@ -143,14 +158,14 @@ def test_16_bit_rows_path_within_its_bound() -> None:
             x[:, 7] *= 300.0  # an outlier: its chunk's step grows, the other chunks' do not
             x[m // 2] = 0.0
             for bias in (None, torch.randn(N, generator=g)):
-                got = ops().linear_bf16(x, w.data, int(QType.Q4_K), bias, 4)
+                got = ops().linear_bf16(x, w.data, int(qtype), bias, 4)
                 want = x.double() @ ref.T + (bias.double() if bias is not None else 0.0)
                 share = ((got.double() - want).abs() / i16_slack(x, w, bias)).max().item()
-                assert share <= 1.0, f"M={m} K={k}: error {share:.2f} of the int16 bound"
+                assert share <= 1.0, f"{qtype.name} M={m} K={k}: error {share:.2f} of the int16 bound"
                 worst = max(worst, share)
                 if bias is None:
                     assert torch.equal(got[m // 2], torch.zeros(N)), "a zero row of x gives zeros"
-    assert worst > 1e-3, f"error {worst:.1e} of the int16 bound: is x rounded at all?"
+    assert worst > 1e-3, f"{qtype.name}: error {worst:.1e} of the int16 bound: is x rounded at all?"
 
 
 def test_refused_where_the_cpu_lacks_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@
 // fused float path sums each output as qmatmul's rows path does (exact up to summation order).
 //
 // bfloat16 batches (`bf16`, the "gguf-bf16" mode): experts with more tokens take linear_bf16 (the bf16 panel
-// GEMM above its rows limit); fused experts in a format the 16-bit rows path decodes (rows_i16.h: Q4_K) take
+// GEMM above its rows limit); fused experts in a format the 16-bit rows path decodes (rows_i16.h: K-quants) take
 // that path, on x's rows and then the activations' rows quantized to int16 once per call; others the float
 // rows kernel, as without `bf16`.
 #include <ATen/Parallel.h>
@@ -299,7 +299,7 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
           float* u = utp + ex.start * f;
           bool done = false;
 #if defined(TROUPE_ROWS_I16)
-          if constexpr (Q == Q4_K) {
+          if constexpr (rows_i16::decodes<Q>()) {
             if (i16_gu) {
               chunk_rows_i16<Q>(xprep, ex.start, ex.n, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);
               chunk_rows_i16<Q>(xprep, ex.start, ex.n, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);
@@ -326,7 +326,7 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
           const Expert& ex = fused[i / h_items];
           const int64_t n0 = i % h_items * h_rows, n1 = std::min(h, n0 + h_rows);
 #if defined(TROUPE_ROWS_I16)
-          if constexpr (Q == Q4_K) {
+          if constexpr (rows_i16::decodes<Q>()) {
             if (i16_dn) return chunk_rows_i16<Q>(aprep, ex.start, ex.n, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1,
                                                  yp + ex.start * h);
           }

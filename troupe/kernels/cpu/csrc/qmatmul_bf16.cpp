@@ -3,7 +3,7 @@
 // the layouts, the micro-kernels and the error bound). For batches only: up to `bf16_rows_max_m()` rows
 // (decode, where the weights' memory traffic and the packing, not the multiply-adds, set the time) the call
 // is the 16-bit rows path's (rows_i16.h: x in int16, the blocks' integers exact, `vpdpwssd`) for the formats
-// it decodes, else the output-exact float path's (troupe_qmm::linear, by M).
+// it decodes (the K-quants), else the output-exact float path's (troupe_qmm::linear, by M).
 //
 // Built where the compiler targets AVX512_BF16 (`-march=native` on a CPU with avx512_bf16); elsewhere the op
 // exists and raises. `bf16_kernels()` says which kernels: 0 none, 1 avx512_bf16, 2 AMX as well.
@@ -110,7 +110,7 @@ at::Tensor qmatmul_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t
   TORCH_CHECK(path >= -1 && path <= 4 && path != 0, "troupe_qmm: bf16 path must be -1, 1, 2, 3 or 4, got ", path);
   const bool small = x.dim() == 2 && x.size(0) <= bf16_rows_max_m();
   TORCH_CHECK(path != 4 || i16_rows(qtype), "troupe_qmm: the 16-bit rows path needs AVX512_VNNI and a format it "
-              "decodes (Q4_K), got format ", qtype);
+              "decodes (Q4_K, Q5_K, Q6_K), got format ", qtype);
   if (path == -1 && small && !i16_rows(qtype)) return qmatmul_linear(x, w, qtype, bias, -1);
   if (path == -1 && small) path = 4;
   const int64_t kernel = path == 2 || path == 3 ? path - 1 : bf16_kernels();
@@ -136,7 +136,11 @@ at::Tensor qmatmul_linear_bf16(const at::Tensor& x, const at::Tensor& w, int64_t
   const at::Tensor xc = x.contiguous();
 #if defined(TROUPE_ROWS_I16)
   if (path == 4) {
-    rows_i16::rows_path<Q4_K>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b);
+    dispatch(qtype, [&](auto q) {
+      constexpr int Q = decltype(q)::value;
+      if constexpr (rows_i16::decodes<Q>())
+        rows_i16::rows_path<Q>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), N, out.data_ptr<float>(), b);
+    });
     return out;
   }
 #endif

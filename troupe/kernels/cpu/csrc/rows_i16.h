@@ -4,15 +4,15 @@
 // rate). Included by qmatmul_bf16.cpp and moe.cpp, after qmatmul_rows.h (the float rows path, whose grouping,
 // prefetching and threading this one follows).
 //
-// A Q4_K sub-block of 32 values is w_i = ds_j * q_i - dm_j (q_i a nibble, ds_j = d * scale_j, dm_j = dmin *
-// min_j: quant.h). With x_i ~= s * xq_i (xq_i int16, one s per 32 values of x: s = max |x_i| / 32767):
+// Formats: Q4_K, Q5_K, Q6_K. A Q4_K sub-block of 32 values is w_i = ds_j * q_i - dm_j (q_i a nibble,
+// ds_j = d * scale_j, dm_j = dmin * min_j: quant.h; Q5_K adds a fifth bit, Q6_K below). With x_i ~= s * xq_i (xq_i int16, one s per 32 values of x: s = max |x_i| / 32767):
 //   dot(x, w) over the sub-block ~= (ds_j * s) * dot(xq, q) - dm_j * sum(x)
 // dot(xq, q) is exact in int32 (32 x 15 x 32767 < 2^31); sum(x) is x's own float32 sum. Per 64 weights: one
 // widening load, an AND and a shift for the two nibbles, then per row of x two `vpdpwssd`, two conversions
 // and two FMAs, against the float path's two table builds, four lookups (on the shuffle port) and four
 // FMAs. On a Xeon (model 207) 1.6x the float rows path at M = 1, 1.45x at 2, 1.3x at 4 (docs/kernels.md).
 //
-// Error: the weights are exact; x is rounded to 16 bits of its 32-value chunk's largest magnitude (relative
+// Error: the weights are exact (every format's integers and scales are used as they are); x is rounded to 16 bits of its 32-value chunk's largest magnitude (relative
 // 2^-16 of it per value: far finer than the bf16 GEMM's rounding of x to 8 significant bits); the rest is
 // float32 arithmetic. tests/kernels/test_cpu_bf16.py bounds it against x times the reference's dequantized
 // weights in float64.
@@ -30,7 +30,11 @@ namespace troupe_quant {
 namespace rows_i16 {
 
 // the formats with a 16-bit rows decoder; the others keep the float rows path
-constexpr bool supported(int64_t qtype) { return qtype == Q4_K; }
+template <int Q>
+constexpr bool decodes() {
+  return Q == Q4_K || Q == Q5_K || Q == Q6_K;
+}
+constexpr bool supported(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
 
 // rows of x per pass over the weights (the float rows path's largest group)
 constexpr int64_t PASS_M = 4;
@@ -71,14 +75,28 @@ struct PreparedRows {
   }
 };
 
-// out[m * ldo + r] = dot(x[m], W[n + r]) (+ bias[r]) for m < MB, r < R: `w` points at row n, `pf` at the bytes
-// to prefetch while this group computes (as rows::group)
+// the sums of the R x MB accumulators into out (+ bias)
+template <int MB, int R>
+inline void store(const Vf (&acc)[R][MB], float* out, int64_t ldo, const float* bias) {
+  if constexpr (R == 4) {
+    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), bv));
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) out[m * ldo + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r] : 0.0f);
+  }
+}
+
+// Q4_K and Q5_K (quant.h's layouts): out[m * ldo + r] = dot(x[m], W[n + r]) (+ bias[r]) for m < MB, r < R: `w`
+// points at row n, `pf` at the bytes to prefetch while this group computes (as rows::group). Q5_K's fifth
+// bit of sub-block j, bit j of its qh byte, is ORed in as 16 (its values 0..31 keep the int32 sums exact).
 template <int Q, int MB, int R>
-inline void group(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* pf, float* out,
-                  int64_t ldo, const float* bias) {
-  static_assert(Q == Q4_K, "the 16-bit rows path decodes Q4_K");
+inline void group_k(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* pf, float* out,
+                    int64_t ldo, const float* bias) {
+  static_assert(Q == Q4_K || Q == Q5_K, "group_k decodes Q4_K and Q5_K");
   using F = Fmt<Q>;
-  const __m512i low4 = _mm512_set1_epi16(0x000F), zero = _mm512_setzero_si512();
+  constexpr int QS = Q == Q5_K ? 48 : 16;  // offset of the nibbles in a block
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bit4 = _mm512_set1_epi16(0x0010), zero = _mm512_setzero_si512();
   Vf acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
@@ -99,10 +117,17 @@ inline void group(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_
                                      _mm512_zextps256_ps512(_mm256_loadu_ps(x.sum + m * x.lds + b * 8)), acc[r][m]);
       }
       asm volatile("" : : "r"(f) : "memory");
-      const uint8_t* q = blk + 16;
+      const uint8_t* q = blk + QS;
+      __m512i qh4 = zero;  // Q5_K: the 32 qh bytes as words, shifted up by 4 (bit j of a byte lands on 16 << j)
+      if constexpr (Q == Q5_K)
+        qh4 = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))), 4);
       for (int c = 0; c < 4; ++c) {  // bytes 32c.. hold sub-block 2c (low nibbles) and 2c + 1 (high)
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+        if constexpr (Q == Q5_K) {  // nib | (qh4 >> j & 16)
+          lo = _mm512_ternarylogic_epi32(lo, _mm512_srli_epi16(qh4, 2 * c), bit4, 0xF8);
+          hi = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi16(qh4, 2 * c + 1), bit4, 0xF8);
+        }
         for (int m = 0; m < MB; ++m) {
           const int16_t* xq = x.q + m * x.ldq + b * 256 + 64 * c;
           const __m512i s_lo = _mm512_dpwssd_epi32(zero, lo, _mm512_loadu_si512(xq));
@@ -113,13 +138,63 @@ inline void group(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_
       }
     }
   }
-  if constexpr (R == 4) {
-    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
-    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), bv));
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) out[m * ldo + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r] : 0.0f);
+  store<MB, R>(acc, out, ldo, bias);
+}
+
+// Q6_K (ql[128], qh[64], int8 scales[16], d; w = d * scale * (q - 32) per 16 values, q 6 bits): q - 32 as
+// signed words (|q - 32| <= 32: exact int32 sums) and no min term. A 32-value chunk spans two scales: the
+// `vpdpwssd` lanes 0..7 hold the first 16 values' sums, 8..15 the second's, so the chunk's scale is one
+// vector of the two (a lane permute of the block's 16 d * scale products, as quant.h's decoder computes
+// them), times x's chunk scale.
+template <int MB, int R>
+inline void group_q6k(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* pf, float* out,
+                      int64_t ldo, const float* bias) {
+  using F = Fmt<Q6_K>;
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bits45 = _mm512_set1_epi16(0x0030), k32 = _mm512_set1_epi16(32);
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  Vf acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t o = b * R * F::BYTES; o < (b + 1) * R * F::BYTES; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + o), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * F::BYTES;
+      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+      for (int half = 0; half < 2; ++half) {
+        const __m512i qh4 = _mm512_slli_epi16(
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half))), 4);
+        const __m512i ql0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half)));
+        const __m512i ql1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32)));
+        for (int i = 0; i < 4; ++i) {  // values 32i.. of this half: chunk c = 4 half + i, scales 2c and 2c + 1
+          const int c = 4 * half + i;
+          const __m512i ql = i % 2 == 0 ? ql0 : ql1;
+          const __m512i nib = i < 2 ? _mm512_and_si512(ql, low4) : _mm512_srli_epi16(ql, 4);
+          const __m512i q = _mm512_sub_epi16(_mm512_ternarylogic_epi32(nib, _mm512_srli_epi16(qh4, 2 * i), bits45, 0xF8), k32);
+          const __m512 scale = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), dsc);
+          for (int m = 0; m < MB; ++m) {
+            const int16_t* xq = x.q + m * x.ldq + b * 256 + 32 * c;
+            const __m512i sums = _mm512_dpwssd_epi32(zero, q, _mm512_loadu_si512(xq));
+            const __m512 fs = _mm512_mul_ps(scale, _mm512_set1_ps(x.s[m * x.lds + b * 8 + c]));
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), fs, acc[r][m]);
+          }
+        }
+      }
+    }
   }
+  store<MB, R>(acc, out, ldo, bias);
+}
+
+template <int Q, int MB, int R>
+inline void group(const Prepared& x, const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* pf, float* out,
+                  int64_t ldo, const float* bias) {
+  if constexpr (Q == Q6_K)
+    group_q6k<MB, R>(x, w, row_bytes, nb, pf, out, ldo, bias);
+  else
+    group_k<Q, MB, R>(x, w, row_bytes, nb, pf, out, ldo, bias);
 }
 
 // rows [g0 * R, min(g1 * R, N)) of the output for MB rows of x, R = rows::group_rows<MB>() (as rows::range)
