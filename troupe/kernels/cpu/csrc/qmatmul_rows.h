@@ -65,6 +65,19 @@ constexpr int acc_split() {
 // (docs/kernels.md).
 constexpr int64_t PREFETCH_ROWS = 8;
 
+// out[m * ldo + r] = sum of the lanes of s[r][m] (+ bias[r]) for m < MB, r < R: four rows' sums reduced
+// together into one 4-float store (sum4)
+template <int MB, int R>
+inline void store_sums(const Vf (&s)[R][MB], float* out, int64_t ldo, const float* bias) {
+  if constexpr (R == 4) {
+    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(s[0][m], s[1][m], s[2][m], s[3][m]), bv));
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) out[m * ldo + r] = vsum(s[r][m]) + (bias ? bias[r] : 0.0f);
+  }
+}
+
 // out[m * ldo + n + r] = dot(x[m], W[n + r]) (+ bias[n + r]) for m < MB, r < R; `w` points at row n,
 // `pf` at the bytes to prefetch while this group computes (R rows' worth, consumed at the group's pace)
 template <int Q, int MB, int R>
@@ -95,12 +108,21 @@ inline void group(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byt
       s[r][m] = acc[r][m][0];
       for (int a = 1; a < NA; ++a) s[r][m] = vadd(s[r][m], acc[r][m][a]);
     }
-  if constexpr (R == 4) {
-    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
-    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(s[0][m], s[1][m], s[2][m], s[3][m]), bv));
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) out[m * ldo + r] = vsum(s[r][m]) + (bias ? bias[r] : 0.0f);
+  store_sums<MB, R>(s, out, ldo, bias);
+}
+
+// Walks the row groups [g0, g1) of W (N rows of row_bytes): full(n, pf) for each whole group of R rows from
+// row n, pf the bytes to prefetch while it computes (rows PREFETCH_ROWS ahead, inside W); one(r, pf) for each
+// row of the last, partial group.
+template <int R, class Full, class One>
+inline void walk_groups(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t g0, int64_t g1, Full&& full, One&& one) {
+  const uint8_t* last = w + (N - 1) * row_bytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n = g * R;
+    if (n + R <= N)
+      full(n, std::min(w + (n + PREFETCH_ROWS) * row_bytes, w + (N - R) * row_bytes));
+    else
+      for (int64_t r = n; r < N; ++r) one(r, last);
   }
 }
 
@@ -110,18 +132,14 @@ void range(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64
            float* out, const float* bias) {
   constexpr int R = group_rows<MB>();
   const int64_t nb = K / Fmt<Q>::QK;
-  const uint8_t* last = w + (N - 1) * row_bytes;
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t n = g * R;
-    const float* bb = bias ? bias + n : nullptr;
-    if (n + R <= N) {
-      const uint8_t* pf = std::min(w + (n + PREFETCH_ROWS) * row_bytes, w + (N - R) * row_bytes);  // inside W
-      group<Q, MB, R>(x, K, w + n * row_bytes, row_bytes, nb, pf, out + n, N, bb);
-    } else {  // the last, partial group: one row at a time
-      for (int64_t r = n; r < N; ++r)
-        group<Q, MB, 1>(x, K, w + r * row_bytes, row_bytes, nb, last, out + r, N, bias ? bias + r : nullptr);
-    }
-  }
+  walk_groups<R>(
+      w, row_bytes, N, g0, g1,
+      [&](int64_t n, const uint8_t* pf) {
+        group<Q, MB, R>(x, K, w + n * row_bytes, row_bytes, nb, pf, out + n, N, bias ? bias + n : nullptr);
+      },
+      [&](int64_t r, const uint8_t* pf) {
+        group<Q, MB, 1>(x, K, w + r * row_bytes, row_bytes, nb, pf, out + r, N, bias ? bias + r : nullptr);
+      });
 }
 
 // Blocks one thread should at least get before another thread is woken (a few microseconds of work).

@@ -75,15 +75,18 @@ struct PreparedRows {
   }
 };
 
-// the sums of the R x MB accumulators into out (+ bias)
-template <int MB, int R>
-inline void store(const Vf (&acc)[R][MB], float* out, int64_t ldo, const float* bias) {
-  if constexpr (R == 4) {
-    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
-    for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * ldo, _mm_add_ps(sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]), bv));
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) out[m * ldo + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[r] : 0.0f);
+// The loop both decoders share: acc zeroed, then for each block b of the R weight rows (row r's at
+// w + r * row_bytes + b * BYTES), the group's next bytes prefetched and body(r, block, b) for each row r
+// (unrolled, so each row's accumulators stay in registers).
+template <int MB, int R, int BYTES, class Body>
+inline void for_blocks(Vf (&acc)[R][MB], const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* pf, Body&& body) {
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t o = b * R * BYTES; o < (b + 1) * R * BYTES; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + o), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) body(r, w + r * row_bytes + b * BYTES, b);
   }
 }
 
@@ -98,47 +101,39 @@ inline void group_k(const Prepared& x, const uint8_t* w, int64_t row_bytes, int6
   constexpr int QS = Q == Q5_K ? 48 : 16;  // offset of the nibbles in a block
   const __m512i low4 = _mm512_set1_epi16(0x000F), bit4 = _mm512_set1_epi16(0x0010), zero = _mm512_setzero_si512();
   Vf acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t o = b * R * F::BYTES; o < (b + 1) * R * F::BYTES; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + o), _MM_HINT_T0);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * F::BYTES;
-      alignas(32) float ds[8], dm[8];
-      k_scales(blk, ds, dm);
-      alignas(32) float f[MB][8];  // ds_j * s_j per row of x, read back as broadcasts (as k_scales's)
-      for (int m = 0; m < MB; ++m) {
-        const float* xs = x.s + m * x.lds + b * 8;
-        _mm256_store_ps(f[m], _mm256_mul_ps(_mm256_load_ps(ds), _mm256_loadu_ps(xs)));
-        // - sum_j dm_j * sum(x over sub-block j), in the low 8 lanes
-        acc[r][m] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_load_ps(dm)),
-                                     _mm512_zextps256_ps512(_mm256_loadu_ps(x.sum + m * x.lds + b * 8)), acc[r][m]);
+  for_blocks<MB, R, F::BYTES>(acc, w, row_bytes, nb, pf, [&](int r, const uint8_t* blk, int64_t b) {
+    alignas(32) float ds[8], dm[8];
+    k_scales(blk, ds, dm);
+    alignas(32) float f[MB][8];  // ds_j * s_j per row of x, read back as broadcasts (as k_scales's)
+    for (int m = 0; m < MB; ++m) {
+      const float* xs = x.s + m * x.lds + b * 8;
+      _mm256_store_ps(f[m], _mm256_mul_ps(_mm256_load_ps(ds), _mm256_loadu_ps(xs)));
+      // - sum_j dm_j * sum(x over sub-block j), in the low 8 lanes
+      acc[r][m] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(_mm256_load_ps(dm)),
+                                   _mm512_zextps256_ps512(_mm256_loadu_ps(x.sum + m * x.lds + b * 8)), acc[r][m]);
+    }
+    asm volatile("" : : "r"(f) : "memory");
+    const uint8_t* q = blk + QS;
+    __m512i qh4 = zero;  // Q5_K: the 32 qh bytes as words, shifted up by 4 (bit j of a byte lands on 16 << j)
+    if constexpr (Q == Q5_K)
+      qh4 = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))), 4);
+    for (int c = 0; c < 4; ++c) {  // bytes 32c.. hold sub-block 2c (low nibbles) and 2c + 1 (high)
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
+      __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+      if constexpr (Q == Q5_K) {  // nib | (qh4 >> j & 16)
+        lo = _mm512_ternarylogic_epi32(lo, _mm512_srli_epi16(qh4, 2 * c), bit4, 0xF8);
+        hi = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi16(qh4, 2 * c + 1), bit4, 0xF8);
       }
-      asm volatile("" : : "r"(f) : "memory");
-      const uint8_t* q = blk + QS;
-      __m512i qh4 = zero;  // Q5_K: the 32 qh bytes as words, shifted up by 4 (bit j of a byte lands on 16 << j)
-      if constexpr (Q == Q5_K)
-        qh4 = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))), 4);
-      for (int c = 0; c < 4; ++c) {  // bytes 32c.. hold sub-block 2c (low nibbles) and 2c + 1 (high)
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
-        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
-        if constexpr (Q == Q5_K) {  // nib | (qh4 >> j & 16)
-          lo = _mm512_ternarylogic_epi32(lo, _mm512_srli_epi16(qh4, 2 * c), bit4, 0xF8);
-          hi = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi16(qh4, 2 * c + 1), bit4, 0xF8);
-        }
-        for (int m = 0; m < MB; ++m) {
-          const int16_t* xq = x.q + m * x.ldq + b * 256 + 64 * c;
-          const __m512i s_lo = _mm512_dpwssd_epi32(zero, lo, _mm512_loadu_si512(xq));
-          const __m512i s_hi = _mm512_dpwssd_epi32(zero, hi, _mm512_loadu_si512(xq + 32));
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo), _mm512_set1_ps(f[m][2 * c]), acc[r][m]);
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_hi), _mm512_set1_ps(f[m][2 * c + 1]), acc[r][m]);
-        }
+      for (int m = 0; m < MB; ++m) {
+        const int16_t* xq = x.q + m * x.ldq + b * 256 + 64 * c;
+        const __m512i s_lo = _mm512_dpwssd_epi32(zero, lo, _mm512_loadu_si512(xq));
+        const __m512i s_hi = _mm512_dpwssd_epi32(zero, hi, _mm512_loadu_si512(xq + 32));
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_lo), _mm512_set1_ps(f[m][2 * c]), acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s_hi), _mm512_set1_ps(f[m][2 * c + 1]), acc[r][m]);
       }
     }
-  }
-  store<MB, R>(acc, out, ldo, bias);
+  });
+  rows::store_sums<MB, R>(acc, out, ldo, bias);
 }
 
 // Q6_K (ql[128], qh[64], int8 scales[16], d; w = d * scale * (q - 32) per 16 values, q 6 bits): q - 32 as
@@ -154,38 +149,30 @@ inline void group_q6k(const Prepared& x, const uint8_t* w, int64_t row_bytes, in
   const __m512i zero = _mm512_setzero_si512();
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   Vf acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = vzero();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t o = b * R * F::BYTES; o < (b + 1) * R * F::BYTES; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + o), _MM_HINT_T0);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * F::BYTES;
-      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
-      for (int half = 0; half < 2; ++half) {
-        const __m512i qh4 = _mm512_slli_epi16(
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half))), 4);
-        const __m512i ql0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half)));
-        const __m512i ql1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32)));
-        for (int i = 0; i < 4; ++i) {  // values 32i.. of this half: chunk c = 4 half + i, scales 2c and 2c + 1
-          const int c = 4 * half + i;
-          const __m512i ql = i % 2 == 0 ? ql0 : ql1;
-          const __m512i nib = i < 2 ? _mm512_and_si512(ql, low4) : _mm512_srli_epi16(ql, 4);
-          const __m512i q = _mm512_sub_epi16(_mm512_ternarylogic_epi32(nib, _mm512_srli_epi16(qh4, 2 * i), bits45, 0xF8), k32);
-          const __m512 scale = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), dsc);
-          for (int m = 0; m < MB; ++m) {
-            const int16_t* xq = x.q + m * x.ldq + b * 256 + 32 * c;
-            const __m512i sums = _mm512_dpwssd_epi32(zero, q, _mm512_loadu_si512(xq));
-            const __m512 fs = _mm512_mul_ps(scale, _mm512_set1_ps(x.s[m * x.lds + b * 8 + c]));
-            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), fs, acc[r][m]);
-          }
+  for_blocks<MB, R, F::BYTES>(acc, w, row_bytes, nb, pf, [&](int r, const uint8_t* blk, int64_t b) {
+    const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+    for (int half = 0; half < 2; ++half) {
+      const __m512i qh4 = _mm512_slli_epi16(
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half))), 4);
+      const __m512i ql0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half)));
+      const __m512i ql1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32)));
+      for (int i = 0; i < 4; ++i) {  // values 32i.. of this half: chunk c = 4 half + i, scales 2c and 2c + 1
+        const int c = 4 * half + i;
+        const __m512i ql = i % 2 == 0 ? ql0 : ql1;
+        const __m512i nib = i < 2 ? _mm512_and_si512(ql, low4) : _mm512_srli_epi16(ql, 4);
+        const __m512i q = _mm512_sub_epi16(_mm512_ternarylogic_epi32(nib, _mm512_srli_epi16(qh4, 2 * i), bits45, 0xF8), k32);
+        const __m512 scale = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * c)), dsc);
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* xq = x.q + m * x.ldq + b * 256 + 32 * c;
+          const __m512i sums = _mm512_dpwssd_epi32(zero, q, _mm512_loadu_si512(xq));
+          const __m512 fs = _mm512_mul_ps(scale, _mm512_set1_ps(x.s[m * x.lds + b * 8 + c]));
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), fs, acc[r][m]);
         }
       }
     }
-  }
-  store<MB, R>(acc, out, ldo, bias);
+  });
+  rows::store_sums<MB, R>(acc, out, ldo, bias);
 }
 
 template <int Q, int MB, int R>
@@ -203,18 +190,14 @@ void range(const Prepared& x, int64_t K, const uint8_t* w, int64_t row_bytes, in
            float* out, int64_t ldo, const float* bias) {
   constexpr int R = rows::group_rows<MB>();
   const int64_t nb = K / Fmt<Q>::QK;
-  const uint8_t* last = w + (N - 1) * row_bytes;
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t n = g * R;
-    const float* bb = bias ? bias + n : nullptr;
-    if (n + R <= N) {
-      const uint8_t* pf = std::min(w + (n + rows::PREFETCH_ROWS) * row_bytes, w + (N - R) * row_bytes);
-      group<Q, MB, R>(x, w + n * row_bytes, row_bytes, nb, pf, out + n, ldo, bb);
-    } else {  // the last, partial group: one row at a time
-      for (int64_t r = n; r < N; ++r)
-        group<Q, MB, 1>(x, w + r * row_bytes, row_bytes, nb, last, out + r, ldo, bias ? bias + r : nullptr);
-    }
-  }
+  rows::walk_groups<R>(
+      w, row_bytes, N, g0, g1,
+      [&](int64_t n, const uint8_t* pf) {
+        group<Q, MB, R>(x, w + n * row_bytes, row_bytes, nb, pf, out + n, ldo, bias ? bias + n : nullptr);
+      },
+      [&](int64_t r, const uint8_t* pf) {
+        group<Q, MB, 1>(x, w + r * row_bytes, row_bytes, nb, pf, out + r, ldo, bias ? bias + r : nullptr);
+      });
 }
 
 // Output rows [n0, n1) (multiples of 4, or n1 = N) for all M rows of x, in passes of PASS_M rows of x.
