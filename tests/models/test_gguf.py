@@ -280,3 +280,23 @@ def test_default_model_is_the_gguf_in_its_blocks() -> None:
     assert isinstance(layer.qkv_w, QuantizedTensor) and layer.qkv_w.qtype == QType.Q4_1
     weights = sum(w.nbytes for lay in model.layers for w in (lay.qkv_w, lay.o_w, lay.gate_up_w, lay.down_w))
     assert 60e6 < weights + model.embed.nbytes < 100e6
+
+
+@needs_build
+@pytest.mark.parametrize("variant", ["llama-kquants-mixed", "qwen2-kquants-BF16-embed"])
+def test_kquants_in_bf16_mode_at_decode_sizes(variant: str, tiny: dict[str, tuple[Path, Path]]) -> None:
+    """`gguf-bf16` on steps of at most 8 rows, where its K-quant projections take the 16-bit rows path
+    (x in int16 per 32 values, the blocks' integers exact: csrc/rows_i16.h): transformers' logits within
+    2e-3 of the largest (measured: up to 7e-4; the mode's bf16 GEMM on all four prompts in one 23-row step
+    is off by 1.5e-2 and 7e-2, the output-exact mode by 1e-5), and not the output-exact mode's bit for bit
+    (so the path ran)."""
+    from troupe.kernels.cpu.linear import bf16_unsupported
+
+    if (reason := bf16_unsupported()) is not None:
+        pytest.skip(f"gguf-bf16: {reason}")
+    gguf_path, hf = tiny[variant]
+    for prompt in ([300, 301, 302], [49000], [17, 4, 4, 4, 4, 4]):  # one step each: 3, 1 and 6 rows
+        ref = hf_logits(hf, [prompt])
+        ours = troupe_logits(gguf_path, "cpu", "gguf-bf16", prompts=[prompt])
+        torch.testing.assert_close(ours, ref, atol=2e-3 * float(ref.abs().max()), rtol=0)
+        assert not torch.equal(ours, troupe_logits(gguf_path, "cpu", "gguf", prompts=[prompt]))
