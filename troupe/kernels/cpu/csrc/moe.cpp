@@ -140,25 +140,6 @@ void chunk_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   }
 }
 
-#if defined(TROUPE_ROWS_I16)
-// chunk_rows on the 16-bit rows path ("gguf-bf16"): x's M rows prepared once (rows_i16.h)
-template <int Q>
-void chunk_rows_i16(const rows_i16::PreparedRows& x, int64_t row0, int64_t M, const uint8_t* w, int64_t rb, int64_t N,
-                    int64_t n0, int64_t n1, float* out) {
-  for (int64_t m0 = 0; m0 < M; m0 += PASS_M) {
-    const rows_i16::Prepared xm = x.rows_from(row0 + m0);
-    float* om = out + m0 * N;
-    const int64_t K = x.K;
-    switch (std::min(PASS_M, M - m0)) {
-      case 1: rows_i16::range<Q, 1>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
-      case 2: rows_i16::range<Q, 2>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
-      case 3: rows_i16::range<Q, 3>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
-      default: rows_i16::range<Q, 4>(xm, K, w, rb, N, n0 / 4, n1 / 4, om, N, nullptr); break;
-    }
-  }
-}
-#endif
-
 // Rows per work item over `rows` rows of each of `experts` experts: about ITEMS_PER_THREAD items per thread
 // in all (long runs stream the weights best; enough items spread the experts over every thread), a
 // multiple of CHUNK
@@ -301,8 +282,10 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
 #if defined(TROUPE_ROWS_I16)
           if constexpr (rows_i16::decodes<Q>()) {
             if (i16_gu) {
-              chunk_rows_i16<Q>(xprep, ex.start, ex.n, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g);
-              chunk_rows_i16<Q>(xprep, ex.start, ex.n, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u);
+              rows_i16::rows_range<Q>(xprep, ex.start, ex.n, gate[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, g, f,
+                                      nullptr);
+              rows_i16::rows_range<Q>(xprep, ex.start, ex.n, up[ex.e].data_ptr<uint8_t>(), rb_gu, f, n0, n1, u, f,
+                                      nullptr);
               done = true;
             }
           }
@@ -327,8 +310,9 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
           const int64_t n0 = i % h_items * h_rows, n1 = std::min(h, n0 + h_rows);
 #if defined(TROUPE_ROWS_I16)
           if constexpr (rows_i16::decodes<Q>()) {
-            if (i16_dn) return chunk_rows_i16<Q>(aprep, ex.start, ex.n, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1,
-                                                 yp + ex.start * h);
+            if (i16_dn)
+              return rows_i16::rows_range<Q>(aprep, ex.start, ex.n, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1,
+                                             yp + ex.start * h, h, nullptr);
           }
 #endif
           chunk_rows<Q>(actp + ex.start * f, ex.n, f, down[ex.e].data_ptr<uint8_t>(), rb_dn, h, n0, n1, yp + ex.start * h);

@@ -318,6 +318,15 @@ struct Fmt<Q5_K> {  // Q4_K plus qh[32]: bit j of qh[l] is bit 4 of value l of s
   }
 };
 
+#if defined(__AVX512F__)
+// Q6_K: d * scale for the block's 16 sub-blocks of 16 values, one vector (the same float32 products as one at
+// a time); quant.h's decoder and the 16-bit rows path (rows_i16.h) take it
+inline __m512 q6k_scales(const uint8_t* b) {
+  return _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+}
+#endif
+
 template <>
 struct Fmt<Q6_K> {  // ql[128], qh[64], scales: int8[16], d: f16; w = (d * scale) * (q - 32)
   static constexpr int QK = 256, BYTES = 210;
@@ -325,15 +334,14 @@ struct Fmt<Q6_K> {  // ql[128], qh[64], scales: int8[16], d: f16; w = (d * scale
   static inline void decode(const uint8_t* b, Emit&& emit) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = f16(b + 208);
     // d * scale for the 16 sub-blocks of 16 values: the same float32 products, as vectors, read back as
     // broadcasts (as k_scales does; 1.36x at M = 1 on a Xeon)
     alignas(64) float ds[16];
 #if defined(__AVX512F__)
-    _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))))));
+    _mm512_store_ps(ds, q6k_scales(b));
 #else
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
     for (int h = 0; h < 2; ++h)
       _mm256_store_ps(ds + 8 * h, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h))))));

@@ -37,7 +37,11 @@ template <int Q>
 constexpr bool decodes() {
   return Q == Q4_K || Q == Q5_K || Q == Q6_K;
 }
-constexpr bool supported(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+inline bool supported(int64_t qtype) {
+  bool yes = false;
+  dispatch(qtype, [&](auto q) { yes = decodes<decltype(q)::value>(); });
+  return yes;
+}
 
 // rows of x per pass over the weights (the float rows path's largest group)
 constexpr int64_t PASS_M = 4;
@@ -153,8 +157,7 @@ inline void group_q6k(const Prepared& x, const uint8_t* w, int64_t row_bytes, in
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   Vf acc[R][MB];
   for_blocks<MB, R, F::BYTES>(acc, w, row_bytes, nb, pf, [&](int r, const uint8_t* blk, int64_t b) {
-    const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(f16(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+    const __m512 dsc = q6k_scales(blk);
     for (int half = 0; half < 2; ++half) {
       const __m512i qh4 = _mm512_slli_epi16(
           _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half))), 4);
@@ -203,12 +206,13 @@ void range(const Prepared& x, int64_t K, const uint8_t* w, int64_t row_bytes, in
       });
 }
 
-// Output rows [n0, n1) (multiples of 4, or n1 = N) for all M rows of x, in passes of PASS_M rows of x.
+// Output rows [n0, n1) (multiples of 4, or n1 = N) for the M prepared rows of x from row0, in passes of
+// PASS_M rows of x; out (M, ldo) holds their outputs.
 template <int Q>
-void rows_range(const PreparedRows& x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0, int64_t n1,
-                float* out, int64_t ldo, const float* bias) {
+void rows_range(const PreparedRows& x, int64_t row0, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t N,
+                int64_t n0, int64_t n1, float* out, int64_t ldo, const float* bias) {
   for (int64_t m0 = 0; m0 < M; m0 += PASS_M) {
-    const Prepared xm = x.rows_from(m0);
+    const Prepared xm = x.rows_from(row0 + m0);
     float* om = out + m0 * ldo;
     const int64_t K = x.K;
     switch (std::min(PASS_M, M - m0)) {
@@ -230,7 +234,7 @@ void rows_path(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t r
   const int64_t groups = (N + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, rows::MIN_BLOCKS_PER_THREAD / std::max<int64_t>(1, 4 * (K / Fmt<Q>::QK)));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    rows_range<Q>(xp, M, w, row_bytes, N, 4 * g0, std::min(N, 4 * g1), out, N, bias);
+    rows_range<Q>(xp, 0, M, w, row_bytes, N, 4 * g0, std::min(N, 4 * g1), out, N, bias);
   });
 }
 
