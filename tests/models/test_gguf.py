@@ -5,6 +5,7 @@ tokenizer, and the errors."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -236,8 +237,40 @@ def test_tokenizer_comes_from_the_file_and_is_cached(tiny: dict[str, tuple[Path,
                                                          "troupe_tokenizer.json"]
     text = "In 2024, the baker's 12 loaves <|im_end|> cost £3."
     assert load_tokenizer(gguf_path).encode(text) == load_tokenizer(hf).encode(text)
-    os.utime(gguf_path, ns=(1, 1))
-    assert tokenizer_folder(gguf_path) != folder
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(gguf_path, copy)
+    copied = tokenizer_folder(copy)
+    os.utime(copy, ns=(1, 1))
+    assert tokenizer_folder(copy) != copied and not copied.exists()  # the changed file's old folder: removed
+    assert folder.is_dir()
+
+
+def test_tokenizer_folders_no_file_maps_to_are_removed_at_the_next_rebuild(tiny: dict[str, tuple[Path, Path]],
+                                                                          tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild removes the folders of deleted GGUF files; a folder of another rebuild version whose file
+    is unchanged (another install's), one being written (dot name) and one without a marker stay."""
+    from troupe.models import gguf_tokenizer
+    from troupe.models.gguf_tokenizer import MARKER, tokenizer_folder
+
+    monkeypatch.setenv("TROUPE_CACHE_DIR", str(tmp_path / "cache"))
+    src, _ = tiny["llama-Q8_0"]
+    files = [tmp_path / f"{name}.gguf" for name in ("gone", "kept", "other", "next")]
+    for f in files:
+        shutil.copy(src, f)
+    gone, kept, other = (tokenizer_folder(f) for f in files[:3])
+    with monkeypatch.context() as m:
+        m.setattr(gguf_tokenizer, "TOKENIZER_VERSION", gguf_tokenizer.TOKENIZER_VERSION + 1)
+        newer = tokenizer_folder(files[2])
+    root = gone.parent
+    (root / ".half-written").mkdir()
+    (root / "no-marker").mkdir()
+    files[0].unlink()
+    assert {p.name for p in root.iterdir()} >= {gone.name, kept.name, other.name, newer.name}
+    latest = tokenizer_folder(files[3])
+    assert {p.name for p in root.iterdir()} == {kept.name, other.name, newer.name, latest.name, ".half-written",
+                                                "no-marker"}
+    assert all((root / p / MARKER).is_file() for p in (kept, other, newer, latest))
 
 
 @pytest.mark.slow
