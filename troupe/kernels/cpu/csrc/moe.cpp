@@ -84,7 +84,6 @@ constexpr int64_t FUSED_MAX_M = 12;
 #else
 constexpr int64_t FUSED_MAX_M = 4;
 #endif
-constexpr int64_t PASS_M = 4;  // rows of x per pass of the rows kernel over a chunk
 
 using LinearSig = Tensor(const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t);
 struct Ops {
@@ -123,21 +122,15 @@ void check_experts(const std::vector<Tensor>& ws, int64_t qtype, int64_t N, int6
                 "troupe_moe: every ", what, " must be (", N, ", ", rb, ") contiguous uint8 blocks");
 }
 
-// rows [n0, n1) of x (M, K) @ W^T into out (M, N) at column n0, in passes of PASS_M rows; n0 and n1 are
-// multiples of CHUNK (whole rows-kernel groups)
+// rows [n0, n1) of x (M, K) @ W^T into out (M, N) at column n0, in passes of rows::MAX_MB rows; n0 and n1
+// are multiples of CHUNK (whole rows-kernel groups)
 template <int Q>
 void chunk_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t rb, int64_t N, int64_t n0, int64_t n1,
                 float* out) {
-  for (int64_t m0 = 0; m0 < M; m0 += PASS_M) {
-    const float* xm = x + m0 * K;
-    float* om = out + m0 * N;
-    switch (std::min(PASS_M, M - m0)) {
-      case 1: rows::range<Q, 1>(xm, K, w, rb, N, n0 / rows::group_rows<1>(), n1 / rows::group_rows<1>(), om, nullptr); break;
-      case 2: rows::range<Q, 2>(xm, K, w, rb, N, n0 / rows::group_rows<2>(), n1 / rows::group_rows<2>(), om, nullptr); break;
-      case 3: rows::range<Q, 3>(xm, K, w, rb, N, n0 / rows::group_rows<3>(), n1 / rows::group_rows<3>(), om, nullptr); break;
-      default: rows::range<Q, 4>(xm, K, w, rb, N, n0 / rows::group_rows<4>(), n1 / rows::group_rows<4>(), om, nullptr); break;
-    }
-  }
+  rows::passes(M, [&](int64_t m0, auto mb) {
+    constexpr int MB = decltype(mb)::value, R = rows::group_rows<MB>();
+    rows::range<Q, MB>(x + m0 * K, K, w, rb, N, n0 / R, n1 / R, out + m0 * N, nullptr);
+  });
 }
 
 // Rows per work item over `rows` rows of each of `experts` experts: about ITEMS_PER_THREAD items per thread
@@ -254,7 +247,7 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
     const int64_t f_items = (f + f_rows - 1) / f_rows, h_items = (h + h_rows - 1) / h_rows;  // per expert
     if (min_blocks < 0) min_blocks = rows::MIN_BLOCKS_PER_THREAD;
     // an item's cost: its weight blocks, streamed once per pass and multiplied into each token
-    auto cost = [&](const Expert& ex, int64_t blocks) { return blocks * (2 * ((ex.n + PASS_M - 1) / PASS_M) + ex.n) / 3; };
+    auto cost = [&](const Expert& ex, int64_t blocks) { return blocks * (2 * ((ex.n + rows::MAX_MB - 1) / rows::MAX_MB) + ex.n) / 3; };
     const int64_t rb_gu = gate[0].size(1), rb_dn = down[0].size(1);
 #if defined(TROUPE_ROWS_I16)
     // "gguf-bf16": the formats the 16-bit rows path decodes take it, on x's (then the activations') rows

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "quant.h"
 
@@ -64,6 +65,22 @@ constexpr int acc_split() {
 // 4 KiB page and falls behind four streams); 8 and 16 rows measured level, and T0 and T1 hints
 // (docs/kernels.md).
 constexpr int64_t PREFETCH_ROWS = 8;
+
+// Rows of x one kernel call takes at most (MB = 1..MAX_MB); more rows go in passes of MAX_MB.
+constexpr int64_t MAX_MB = 4;
+
+// fn(m0, std::integral_constant<int, MB>{}) for each pass over M rows of x: rows m0 .. m0 + MB - 1
+template <class Fn>
+inline void passes(int64_t M, Fn&& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_MB) {
+    switch (std::min(MAX_MB, M - m0)) {
+      case 1: fn(m0, std::integral_constant<int, 1>{}); break;
+      case 2: fn(m0, std::integral_constant<int, 2>{}); break;
+      case 3: fn(m0, std::integral_constant<int, 3>{}); break;
+      default: fn(m0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
 
 // out[m * ldo + r] = sum of the lanes of s[r][m] (+ bias[r]) for m < MB, r < R: four rows' sums reduced
 // together into one 4-float store (sum4)

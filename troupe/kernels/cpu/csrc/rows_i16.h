@@ -43,9 +43,6 @@ inline bool supported(int64_t qtype) {
   return yes;
 }
 
-// rows of x per pass over the weights (the float rows path's largest group)
-constexpr int64_t PASS_M = 4;
-
 // x prepared for M rows (each K values, K a multiple of 32): q (M, K) int16, per 32-value chunk its scale s
 // and its float32 sum (M, K / 32 each)
 struct Prepared {
@@ -207,21 +204,14 @@ void range(const Prepared& x, int64_t K, const uint8_t* w, int64_t row_bytes, in
 }
 
 // Output rows [n0, n1) (multiples of 4, or n1 = N) for the M prepared rows of x from row0, in passes of
-// PASS_M rows of x; out (M, ldo) holds their outputs.
+// rows::MAX_MB rows of x; out (M, ldo) holds their outputs.
 template <int Q>
 void rows_range(const PreparedRows& x, int64_t row0, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t N,
                 int64_t n0, int64_t n1, float* out, int64_t ldo, const float* bias) {
-  for (int64_t m0 = 0; m0 < M; m0 += PASS_M) {
-    const Prepared xm = x.rows_from(row0 + m0);
-    float* om = out + m0 * ldo;
-    const int64_t K = x.K;
-    switch (std::min(PASS_M, M - m0)) {
-      case 1: range<Q, 1>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
-      case 2: range<Q, 2>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
-      case 3: range<Q, 3>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
-      default: range<Q, 4>(xm, K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, om, ldo, bias); break;
-    }
-  }
+  rows::passes(M, [&](int64_t m0, auto mb) {
+    range<Q, decltype(mb)::value>(x.rows_from(row0 + m0), x.K, w, row_bytes, N, n0 / 4, (n1 + 3) / 4, out + m0 * ldo,
+                                  ldo, bias);
+  });
 }
 static_assert(rows::group_rows<1>() == 4 && rows::group_rows<4>() == 4, "rows_range assumes groups of 4 weight rows");
 
