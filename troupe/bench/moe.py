@@ -16,7 +16,7 @@ order) so that each sees the same machine load:
 
 It prints the CPU model and thread count, then per T the median milliseconds per layer of each and the
 ratio of grouped's time to fused's. `--q8` uses the 8-bit-activation ("gguf-q8") set, `--bf16` the "gguf-bf16" one
-(its fused Q4_K experts on the 16-bit rows path).
+(its fused K-quant experts on the 16-bit rows path).
 """
 
 from __future__ import annotations

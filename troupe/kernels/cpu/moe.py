@@ -10,7 +10,7 @@ whose work items are (expert, chunk of rows), down rows in a second, so two acti
 over every thread), experts with many tokens one projection call each (the projections' by-M choice), the
 weighted sum written once, in expert order. `quantize_activations`: the "gguf-q8" mode, whose projections
 take 8-bit activations where `troupe_qmm.linear_q8` would (csrc/moe.cpp has the rule); `bf16`: the "gguf-bf16"
-mode, whose experts with many tokens take `linear_bf16` and whose fused Q4_K experts the 16-bit rows path
+mode, whose experts with many tokens take `linear_bf16` and whose fused K-quant experts the 16-bit rows path
 (`csrc/rows_i16.h`: activations in int16, the blocks' integers exact).
 
 Each expert's gate and up are two weights of (f, h) to the kernel: a GGUF's come as the parts
