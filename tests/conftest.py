@@ -50,6 +50,7 @@ _pin_xdist_worker()
 
 import torch  # noqa: E402
 from engines import INFRASTRUCTURE_PIDS, child_pids, headless_engines  # noqa: E402
+from support.suite_order import LONGEST_FIRST  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -116,14 +117,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     subprocess.run([sys.executable, "-c", PREBUILD], capture_output=True, timeout=1800, check=False)
 
 
-# The longest test files (a minute or more of one core each), run first: under `-n 2 --dist loadfile` a
-# long file handed out last would leave one worker busy while the other idles.
-# test_gguf_equality reads test_hf_equality's oracle, so it comes a few files later (a worker that needs
-# the oracle while the other computes it waits).
-LONGEST_FIRST = ("models/test_hf_equality.py", "server/test_fuzz_server.py", "e2e/test_readme_and_cli.py",
-                 "e2e/test_ray.py", "models/test_gguf_equality.py", "server/test_server_lifecycle.py",
-                 "server/test_attacks.py", "server/test_server_openai.py", "e2e/test_ray_local.py",
-                 "facades/test_llm.py", "e2e/test_engine_process.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
