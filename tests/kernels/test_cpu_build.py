@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +70,8 @@ def test_bad_isa_is_refused(monkeypatch):
 @pytest.mark.timeout(600)  # one small C++ build
 def test_prebuild_clears_a_stale_lock_and_a_later_process_loads_without_the_toolchain(tmp_path):
     """`prebuild` compiles a library into its own cache folder per ISA, marked complete, clearing the stale
-    cpp_extension lock that a build killed midway leaves (instead of waiting on it forever); a later
+    cpp_extension lock that a build killed midway leaves (instead of waiting on it forever) and emptying a
+    folder of the cache no process has loaded for two months (`STALE_AFTER_DAYS`); a later
     process loads a completed library directly (here with cpp_extension's build made to fail), so another
     checkout or virtual environment with the same torch and compiler does not build again. The AVX2 build
     is made in an empty cache; the native one is the session's (tests/conftest.py prebuilds it)."""
@@ -78,10 +81,16 @@ def test_prebuild_clears_a_stale_lock_and_a_later_process_loads_without_the_tool
     stale = tmp_path / "kernels" / key
     stale.mkdir(parents=True)
     (stale / "lock").write_text("")  # what a killed build leaves
+    unused = tmp_path / "kernels" / "attention-0123456789abcdef"  # last loaded two months ago
+    unused.mkdir()
+    for name in ("built", "troupe_attention.so"):
+        (unused / name).write_text("")
+        os.utime(unused / name, (time.time() - 60 * 86400,) * 2)
     prebuild = "from troupe.kernels.cpu import build; build.prebuild({'probe': ('probe.cpp',)}, ('avx2',))"
     subprocess.run([sys.executable, "-c", prebuild], env=env, check=True, timeout=600)
     folders = list((tmp_path / "kernels").glob("probe-*"))
     assert folders == [stale] and (stale / "built").exists() and not (stale / "lock").exists()
+    assert [p.name for p in unused.iterdir()] == ["troupe.lock"]  # the new build emptied it
     subprocess.run([sys.executable, "-c", prebuild.replace("avx2", "native")], env={**os.environ}, check=True,
                    timeout=600)
     code = textwrap.dedent("""
@@ -99,3 +108,54 @@ def test_prebuild_clears_a_stale_lock_and_a_later_process_loads_without_the_tool
         assert out.returncode == 0, out.stderr[-2000:]
         native = "avx512" if "avx512f" in build.cpu_flags() else "avx2"
         assert out.stdout.strip() == (native if isa == "native" else "avx2")
+
+
+def test_a_new_build_empties_the_folders_unused_for_a_while(monkeypatch, tmp_path):
+    """After a new build, the cache's folders last loaded (or, unfinished, last written) more than
+    `STALE_AFTER_DAYS` ago are emptied but for their lock file; recent ones, the new one and one whose lock
+    another process holds are left whole."""
+    import fcntl
+
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    now = time.time()
+    old, recent = now - (build.STALE_AFTER_DAYS + 10) * 86400, now - 86400
+
+    def folder(name: str, marker_time: float | None, files_time: float) -> Path:
+        f = tmp_path / name
+        (f / "src").mkdir(parents=True)
+        for path in (f / "troupe_x.so", f / "src" / "x.cpp", f / "troupe.lock"):
+            path.write_text("x")
+            os.utime(path, (files_time, files_time))
+        os.utime(f / "src", (files_time, files_time))
+        if marker_time is not None:
+            (f / "built").touch()
+            os.utime(f / "built", (marker_time, marker_time))
+        return f
+
+    stale = folder("qmm-stale", old, old)
+    used = folder("qmm-used", recent, old)  # built long ago, loaded yesterday
+    unfinished = folder("qmm-killed", None, old)
+    busy = folder("qmm-busy", old, old)
+    new = folder("qmm-new", old, old)
+    with open(busy / "troupe.lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another process loading it
+        build._remove_stale(keep=new, now=now)
+    for emptied in (stale, unfinished):
+        assert sorted(p.name for p in emptied.iterdir()) == ["troupe.lock"], emptied
+    for whole in (used, busy, new):
+        assert {p.name for p in whole.iterdir()} >= {"troupe_x.so", "src", "troupe.lock"}, whole
+    assert (used / "built").exists() and (busy / "built").exists()
+
+
+@needs_build
+@pytest.mark.slow
+def test_a_load_stamps_its_build_folder():
+    """Loading a cached build sets its marker's time to now: what tells `_remove_stale` it is in use."""
+    assert build.load_ops("probe", ("probe.cpp",))
+    paths = [build.CSRC / "probe.cpp"]
+    marker = build._cache_root() / build._build_key("probe", paths, [*build.BASE_FLAGS, *build.ISA_FLAGS[build.isa()]])
+    marker = marker / "built"
+    long_ago = time.time() - 90 * 86400
+    os.utime(marker, (long_ago, long_ago))
+    build.build("probe", ("probe.cpp",))
+    assert marker.stat().st_mtime > time.time() - 60

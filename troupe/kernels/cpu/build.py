@@ -15,7 +15,10 @@ build completed (its `built` marker) is loaded directly with `torch.ops.load_lib
 build file names one environment's torch headers). The sources are copied into the folder and built from
 there, so the same sources in another checkout (a fresh clone) find the build done. Concurrent first uses
 are safe: an OS file lock per build folder, so a build in progress elsewhere is waited for, not
-duplicated, and a build killed midway leaves no marker and is redone. `prebuild` compiles several
+duplicated, and a build killed midway leaves no marker and is redone. Each load stamps the folder's marker
+with the time, and each new build empties the folders of the cache no process has loaded for
+`STALE_AFTER_DAYS` (the builds of older sources, flags or torch versions) but their lock file, skipping any
+whose lock is held. `prebuild` compiles several
 extensions at once, each in its own process (the test suite's session start uses it).
 
 Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
@@ -46,6 +49,7 @@ CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-DNDEBUG")
 ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f")}
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+STALE_AFTER_DAYS = 30  # a build folder no process has loaded for this long is emptied by the next new build
 
 
 log = structlog.get_logger("troupe.kernels")
@@ -132,6 +136,7 @@ def build(name: str, sources: Sequence[str]) -> None:
         if (folder / "built").exists():
             try:
                 torch.ops.load_library(str(library))
+                _stamp_use(folder)
                 return
             except OSError as exc:  # a library removed or damaged by hand: build it again
                 log.warning("cached kernel library does not load: rebuilding", kernels=name, reason=str(exc))
@@ -144,6 +149,51 @@ def build(name: str, sources: Sequence[str]) -> None:
         except (RuntimeError, OSError, ImportError) as exc:  # cpp_extension raises RuntimeError for a failed build
             raise BuildError(f"building the {name} kernels failed: {exc}") from exc
         (folder / "built").touch()  # only now: a build killed midway leaves no marker
+    _remove_stale(keep=folder)
+
+
+def _stamp_use(folder: Path) -> None:
+    """The marker's time is the folder's last load (a read-only cache keeps its old time)."""
+    try:
+        os.utime(folder / "built")
+    except OSError:
+        pass
+
+
+def _remove_stale(keep: Path, now: float | None = None) -> None:
+    """Empty the cache's build folders last loaded (or, never finished, last written) more than
+    `STALE_AFTER_DAYS` ago, except `keep` and any whose lock another process holds (a build or a load in
+    progress). Only the lock file stays: a process that opened it before stays excluded from one that
+    opens it after, and builds the folder again under it if it needs that build after all. A library
+    already loaded from a folder stays mapped in its process."""
+    import time
+
+    cutoff = (time.time() if now is None else now) - STALE_AFTER_DAYS * 86400
+    for folder in _cache_root().iterdir():
+        if folder == keep or not folder.is_dir():
+            continue
+        marker = folder / "built"
+        try:
+            contents = [p for p in folder.iterdir() if p.name != "troupe.lock"]
+            if not contents:
+                continue
+            last = max(p.stat().st_mtime for p in ([marker] if marker.exists() else contents))
+        except OSError:  # removed meanwhile, or not readable
+            continue
+        if last >= cutoff:
+            continue
+        try:
+            with open(folder / "troupe.lock", "a") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                marker.unlink(missing_ok=True)  # first: a folder half emptied reads as unbuilt
+                for path in contents:
+                    if path.is_dir():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+        except OSError:  # held by another process, or not ours to change
+            continue
+        log.info("emptied a kernel build unused for a while", folder=str(folder), days=STALE_AFTER_DAYS)
 
 
 def _stable_sources(folder: Path, paths: Sequence[Path]) -> Path:
