@@ -117,8 +117,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     subprocess.run([sys.executable, "-c", PREBUILD], capture_output=True, timeout=1800, check=False)
 
 
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/e2e/ (engine modes, subprocesses, whole programs) is `slow`; the
     `LONGEST_FIRST` files move to the front, each file's tests keeping their order."""

@@ -139,7 +139,7 @@ def test_a_new_build_empties_the_folders_unused_for_a_while(monkeypatch, tmp_pat
     new = folder("qmm-new", old, old)
     with open(busy / "troupe.lock", "a") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)  # another process loading it
-        build._remove_stale(keep=new, now=now)
+        build._remove_stale(keep=new)
     for emptied in (stale, unfinished):
         assert sorted(p.name for p in emptied.iterdir()) == ["troupe.lock"], emptied
     for whole in (used, busy, new):
@@ -152,9 +152,7 @@ def test_a_new_build_empties_the_folders_unused_for_a_while(monkeypatch, tmp_pat
 def test_a_load_stamps_its_build_folder():
     """Loading a cached build sets its marker's time to now: what tells `_remove_stale` it is in use."""
     assert build.load_ops("probe", ("probe.cpp",))
-    paths = [build.CSRC / "probe.cpp"]
-    marker = build._cache_root() / build._build_key("probe", paths, [*build.BASE_FLAGS, *build.ISA_FLAGS[build.isa()]])
-    marker = marker / "built"
+    marker = build.build_folder("probe", ("probe.cpp",), build.isa()) / "built"
     long_ago = time.time() - 90 * 86400
     os.utime(marker, (long_ago, long_ago))
     build.build("probe", ("probe.cpp",))

@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -112,6 +113,11 @@ def _build_key(name: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
     return f"{name}-{h.hexdigest()[:16]}"
 
 
+def build_folder(name: str, sources: Sequence[str], target: str) -> Path:
+    """Where the build of `csrc/<sources>` as extension `name` for ISA `target` is cached."""
+    return _cache_root() / _build_key(name, [CSRC / s for s in sources], [*BASE_FLAGS, *ISA_FLAGS[target]])
+
+
 def build(name: str, sources: Sequence[str]) -> None:
     """Compile (or reuse the cached build of) `csrc/<sources>` and load it: its ops appear under
     `torch.ops.troupe_<name>`. Raises `BuildError` with the reason if that cannot be done here."""
@@ -122,8 +128,9 @@ def build(name: str, sources: Sequence[str]) -> None:
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler found ({compiler!r} is not on PATH)")
     paths = [CSRC / s for s in sources]
-    flags = [*BASE_FLAGS, *ISA_FLAGS[isa()]]
-    folder = _cache_root() / _build_key(name, paths, flags)
+    target = isa()
+    flags = [*BASE_FLAGS, *ISA_FLAGS[target]]
+    folder = build_folder(name, sources, target)
     folder.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
 
@@ -160,15 +167,13 @@ def _stamp_use(folder: Path) -> None:
         pass
 
 
-def _remove_stale(keep: Path, now: float | None = None) -> None:
+def _remove_stale(keep: Path) -> None:
     """Empty the cache's build folders last loaded (or, never finished, last written) more than
     `STALE_AFTER_DAYS` ago, except `keep` and any whose lock another process holds (a build or a load in
     progress). Only the lock file stays: a process that opened it before stays excluded from one that
     opens it after, and builds the folder again under it if it needs that build after all. A library
     already loaded from a folder stays mapped in its process."""
-    import time
-
-    cutoff = (time.time() if now is None else now) - STALE_AFTER_DAYS * 86400
+    cutoff = time.time() - STALE_AFTER_DAYS * 86400
     for folder in _cache_root().iterdir():
         if folder == keep or not folder.is_dir():
             continue
@@ -232,8 +237,7 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("nat
     from concurrent.futures import ThreadPoolExecutor
 
     def one(target: str, name: str, sources: tuple[str, ...]) -> None:
-        flags = [*BASE_FLAGS, *ISA_FLAGS[target]]
-        if (_cache_root() / _build_key(name, [CSRC / s for s in sources], flags) / "built").exists():
+        if (build_folder(name, sources, target) / "built").exists():
             return  # built before: no process (and no torch import) to find that out
         code = f"from troupe.kernels.cpu.build import load_ops; load_ops({name!r}, {tuple(sources)!r})"
         env = {**os.environ, "TROUPE_CPU_ISA": target, "MAX_JOBS": "1"}  # the parallelism is ours: one job each
