@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from troupe.kernels.cpu.build import cpu_flags, cpu_vendor
 from troupe.kernels.quant import QType, QuantizedTensor, random_quantized
 
 FORMATS = [QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K]
@@ -54,15 +55,6 @@ def build_isa() -> str:
     from troupe.kernels.cpu.build import isa
 
     return isa()
-
-
-def cpu_flags() -> set[str]:
-    """The running CPU's flags (/proc/cpuinfo), which `-march=native` builds for."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def check_linear(qtype: QType) -> None:
@@ -196,15 +188,6 @@ def check_q8(qtype: QType) -> None:
                 assert path == 1, f"{qtype.name} M={m}: a batch took path {path}, not the GEMM"
         no_bias = ops().linear_q8(x, w.data, int(qtype), None, 1)
         assert rel_err(no_bias, reference_q8(x).double() @ ref.T) < 1e-5, f"{qtype.name}: GEMM without bias"
-
-
-def cpu_vendor() -> str:
-    """The running CPU's vendor_id (/proc/cpuinfo): GenuineIntel, AuthenticAMD, ..."""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    return ""
 
 
 def check_q8_tables() -> None:

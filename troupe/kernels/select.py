@@ -48,22 +48,37 @@ def model_dtype(config: EngineConfig, device: torch.device) -> str | torch.dtype
 
 
 def default_quantization(config: EngineConfig, gguf_file: bool, device: torch.device) -> str:
-    """`config.quantization`, except "auto" for a GGUF file on a CPU with AMX: "gguf-bf16" there, the mode
-    issue 41's rule picked from measured quality (the float32 reference's perplexity, the fastest mode that
-    keeps it; docs/benchmarks.md, "Quality"), where the compiled kernels run it. Elsewhere "auto" stays
-    (`gguf`: float32 on the blocks, output-exact); a CPU kind gets another default once it is measured."""
-    if (config.quantization != "auto" or not gguf_file or device.type != "cpu" or config.kernels not in ("auto", "cpu")
-            or "amx_bf16" not in _cpu_flags()):
+    """`config.quantization`, except "auto" for a GGUF file on a CPU kind where issue 41's rule, from measured
+    quality, picked "gguf-bf16" (the float32 reference's perplexity, the fastest mode that keeps it;
+    docs/benchmarks.md, "Quality"), where the compiled kernels run it: a CPU with AMX (`amx_bf16`), and an AMD
+    CPU with `avx512_bf16` (Zen 4 and later, where `vdpbf16ps` runs at the FMA rate). Elsewhere "auto" stays
+    (`gguf`: float32 on the blocks, output-exact), Intel cores with `avx512_bf16` but no AMX among them (the
+    instruction runs at a quarter of the FMA rate there); a CPU kind gets another default once it is
+    measured."""
+    if (config.quantization != "auto" or not gguf_file or device.type != "cpu"
+            or config.kernels not in ("auto", "cpu") or not _bf16_measured_best()):
         return config.quantization
     from troupe.kernels.cpu import bf16_runs
 
     return "gguf-bf16" if bf16_runs() else config.quantization
 
 
+def _bf16_measured_best() -> bool:
+    """Whether this CPU is of a kind where `gguf-bf16` was measured the best mode (docstring above)."""
+    flags = _cpu_flags()
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and _cpu_vendor() == "AuthenticAMD")
+
+
 def _cpu_flags() -> frozenset[str]:
     from troupe.kernels.cpu.build import cpu_flags
 
     return cpu_flags()
+
+
+def _cpu_vendor() -> str:
+    from troupe.kernels.cpu.build import cpu_vendor
+
+    return cpu_vendor()
 
 
 def select_kernels(config: EngineConfig, device: torch.device | None = None,

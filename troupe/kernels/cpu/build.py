@@ -72,6 +72,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor() -> str:
+    """The vendor of this machine's first CPU (`vendor_id` in `/proc/cpuinfo`: "GenuineIntel", "AuthenticAMD";
+    empty if unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def isa() -> str:
     """The instruction-set target of the build: `TROUPE_CPU_ISA` ("native" or "avx2"), default "native"."""
     choice = os.environ.get("TROUPE_CPU_ISA", "native")

@@ -28,8 +28,8 @@
 // linear_q8 per projection, as the unfused op does. Results are those of the projection kernels: the
 // fused float path sums each output as qmatmul's rows path does (exact up to summation order).
 //
-// bfloat16 batches (`bf16`, the "gguf-bf16" mode): experts with more tokens take linear_bf16 (the bf16 panel
-// GEMM above its rows limit); fused experts in a format the 16-bit rows path decodes (rows_i16.h: K-quants) take
+// bfloat16 batches (`bf16`, the "gguf-bf16" mode): experts with more tokens than linear_bf16's rows limit
+// (bf16_rows_max_m) take linear_bf16 (the bf16 panel GEMM); fused experts in a format the 16-bit rows path decodes (rows_i16.h: K-quants) take
 // that path, on x's rows and then the activations' rows quantized to int16 once per call; others the float
 // rows kernel, as without `bf16`.
 #include <ATen/Parallel.h>
@@ -91,6 +91,7 @@ struct Ops {
   c10::TypedOperatorHandle<LinearSig> linear_q8;
   c10::TypedOperatorHandle<LinearSig> linear_bf16;
   c10::TypedOperatorHandle<int64_t(int64_t, int64_t)> q8_path;
+  c10::TypedOperatorHandle<int64_t()> bf16_rows_max_m;
 };
 
 template <typename Sig>
@@ -100,7 +101,8 @@ c10::TypedOperatorHandle<Sig> find(const char* name) {
 
 const Ops& ops() {  // looked up on the first call (troupe_qmm and troupe_fused load before this library)
   static const Ops o{find<LinearSig>("troupe_qmm::linear"), find<LinearSig>("troupe_qmm::linear_q8"),
-                     find<LinearSig>("troupe_qmm::linear_bf16"), find<int64_t(int64_t, int64_t)>("troupe_qmm::q8_path")};
+                     find<LinearSig>("troupe_qmm::linear_bf16"), find<int64_t(int64_t, int64_t)>("troupe_qmm::q8_path"),
+                     find<int64_t()>("troupe_qmm::bf16_rows_max_m")};
   return o;
 }
 
@@ -191,6 +193,9 @@ Tensor moe(const Tensor& x_in, const Tensor& ids_in, const Tensor& weights_in, c
   if (P == 0) return out;
   if (fused_max_m < 0) fused_max_m = FUSED_MAX_M;
   fused_max_m = std::min(fused_max_m, FUSED_MAX_M);
+  // bf16: fused up to where linear_bf16 would leave the rows path, so a token count runs the same path fused
+  // or per expert
+  if (bf16) fused_max_m = std::min(fused_max_m, ops().bf16_rows_max_m.call());
 
   // group the pairs by expert: order[start_e + i] = the i-th pair (in token order) routed to e
   std::vector<int64_t> count(E + 1, 0), order(P), pos_of(P);

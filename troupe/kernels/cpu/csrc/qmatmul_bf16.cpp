@@ -33,9 +33,11 @@ using namespace troupe_quant;
 // Up to this M, the float path: the bf16 panel's packing is paid per call, and few rows of x do not amortize
 // it against the float rows path's streaming. AMX: the default model's projections in model order, one
 // thread (Xeon, model 207), took 2.27 / 1.09 / 0.72 / 0.68 of the float path's time at M = 4 / 8 / 12 / 16.
-// The avx512_bf16 kernel: the float panel GEMM's crossover (ROWS_PATH_MAX_M), not measured on a CPU where
-// the kernel pays (on that Xeon it is slower than the float GEMM).
+// The avx512_bf16 kernel on AMD (Zen 4, family 25 model 17; the same, 2 threads): 1.10 / 1.01 / 0.98 / 0.93
+// / 0.83 at M = 5 / 6 / 7 / 8 / 9. On Intel cores without AMX `vdpbf16ps` runs at a quarter of the FMA rate
+// and the kernel is slower than the float GEMM: the float panel GEMM's crossover (ROWS_PATH_MAX_M) there.
 constexpr int64_t BF16_AMX_ROWS_MAX_M = 8;
+constexpr int64_t BF16_DP_AMD_ROWS_MAX_M = 6;
 constexpr int64_t BF16_DP_ROWS_MAX_M = 12;
 // Rows of x converted to bf16 per thread at least (the conversion is a fraction of the GEMM's time).
 constexpr int64_t CONVERT_GRAIN = 64;
@@ -52,7 +54,11 @@ int64_t bf16_kernels() {
 #endif
 }
 
-int64_t bf16_rows_max_m() { return bf16_kernels() == 2 ? BF16_AMX_ROWS_MAX_M : BF16_DP_ROWS_MAX_M; }
+int64_t bf16_rows_max_m() {
+  if (bf16_kernels() == 2) return BF16_AMX_ROWS_MAX_M;
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd ? BF16_DP_AMD_ROWS_MAX_M : BF16_DP_ROWS_MAX_M;
+}
 
 #if defined(__AVX512BF16__)
 // The fused schedule (each panel's K slice packed just before use, in L1) up to this M, the tiled one above
