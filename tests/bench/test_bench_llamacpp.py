@@ -28,6 +28,8 @@ argv = sys.argv[1:]
 with open(os.environ["FAKE_PEER_LOG"], "a") as f:
     f.write(json.dumps({"call": "llama-server", "argv": argv}) + "\\n")
 
+posts = 0
+
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
@@ -37,6 +39,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_POST(self):
+        global posts
+        posts += 1
+        if posts > int(os.environ.get("FAKE_CRASH_AFTER", "1000000")):  # the process dies mid-load
+            print("fake server: crashing", flush=True)
+            os._exit(3)
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert req["model"] == argv[argv.index("--alias") + 1] and req["ignore_eos"] is True
         self.send_response(200)
@@ -144,3 +151,28 @@ def test_stand_in_binaries_are_driven_with_the_workload_shape(tmp_path: Path, mo
     assert (report.median("llama.cpp server -np 3", "serve_tok_s") or 0) > 0
     assert report.best("llama.cpp", "serve_tok_s") == ("llama.cpp server -np 3",
                                                        report.median("llama.cpp server -np 3", "serve_tok_s"))
+
+
+@pytest.mark.slow  # a server process
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_mid_load_fails_its_round_not_the_run(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer server that goes away during the HTTP load (a crash: the connection closes without a
+    response) is one failed round with a note naming the error and the server's last output; the harness
+    goes on to the next engine instead of ending the whole benchmark."""
+    monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_CRASH_AFTER", "2")  # the warm-up and one request, then the process exits
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "server.py").write_text(textwrap.dedent(FAKE_SERVER))
+    server = bin_dir / "llama-server"
+    server.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "server.py"}" "$@"\n')
+    server.chmod(0o755)
+    args = _args(bin_dir, "--parts", "serve")
+    report = Report(troupe=[], baselines=[])
+    (engine,) = [e for e in llamacpp_engines(args, "/fake/model.gguf", report) if e.serve is not None]
+    assert harness.run_round(engine, 0, args, _spec(args), report, tmp_path) == 1
+    (note,) = [n for n in report.notes if "server failed" in n]
+    assert note.startswith(f"{engine.label}, round 0: the server failed: ") and "the load failed" in note
+    assert "RemoteProtocolError" in note or "ReadError" in note or "ConnectError" in note, note
+    assert report.median(engine.label, "serve_tok_s") is None

@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.troupe_configs = args.troupe_configs or eng.default_troupe_configs(args.isa)
     workdir = Path(tempfile.mkdtemp(prefix="troupe-bench-"))
-    failures, interrupted = 0, False
+    failures, interrupted, crashed = 0, False, False
     held = AVX2_ENV if args.isa == "avx2" else {}
     saved = {k: os.environ.get(k) for k in held}
     os.environ.update(held)  # every worker's and server's environment is built from this one
@@ -260,13 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # the running engine's process group was ended on the way out
         print("troupe bench: interrupted", file=sys.stderr)
         interrupted = True
+    except BaseException:  # an unexpected error ends the run: its logs are what tells why
+        crashed = True
+        raise
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if failures or interrupted or args.keep_logs:
+        if failures or interrupted or crashed or args.keep_logs:
             print(f"troupe bench: logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -107,6 +107,13 @@ def served(cmd: list[str], url: str, env: dict[str, str], log: Path,
         stop_group(proc, grace=60.0)
 
 
+def _first_leaf(e: BaseException) -> BaseException:
+    """The first exception at the bottom of an exception group (a task group's failure), else `e`."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
+
+
 def serve_once(cmd: list[str], port: int, *, env: dict[str, str], workdir: Path, tag: str,
                clients: int, requests: int, max_tokens: int, prompt_words: int,
                startup_timeout: float) -> ServeRun:
@@ -116,7 +123,11 @@ def serve_once(cmd: list[str], port: int, *, env: dict[str, str], workdir: Path,
     args = argparse.Namespace(clients=clients, requests=requests, max_tokens=max_tokens,
                               prompt_words=prompt_words, api_key=None, served_model=SERVED_NAME)
     with served(cmd, url, env, log, startup_timeout) as (ready_s, sampler):
-        figures = anyio.run(load.run, url, args)
+        try:
+            figures = anyio.run(load.run, url, args)
+        except Exception as e:  # a request failed or the server went away mid-load: this round fails, not the run
+            raise WorkerError(f"{tag}: the load failed: {_first_leaf(e)!r}; the server's output ends:\n"
+                              f"{log_tail(log)}") from e
     expected = requests * max_tokens
     if figures["output_tokens"] != expected:
         raise WorkerError(f"{tag}: {figures['output_tokens']} tokens streamed, {expected} expected "
