@@ -11,7 +11,8 @@ the layering test forbids importing the test helpers from the package.
 The points, in the order they run:
 
 1. `before_actor(engine_index)`: a Ray engine actor's constructor (troupe.engine_side.ray_engine).
-2. `before_build()`: where the engine is built (a worker thread, an engine process, a Ray worker),
+2. `before_build()`: where the engine is built (its step thread, in the frontend's process, an engine process
+   or a Ray worker),
    before it is (troupe.engine.build).
 3. `after_build(core)`: the built `EngineCore`, before it serves; a plugin may wrap its parts.
 4. `frontend_built(processor)`: the frontend's `OutputProcessor`, once the tokenizer is set
@@ -39,7 +40,7 @@ class Hooks:
         """A Ray engine actor of data-parallel rank `engine_index` is being constructed."""
 
     def before_build(self) -> None:
-        """The engine is about to be built (blocking: a worker thread or the engine's process)."""
+        """The engine is about to be built (blocking: on the thread that will step it)."""
 
     def after_build(self, core: EngineCore) -> None:
         """`core` is built (its `engine_index` set) and has not stepped yet."""

@@ -1,4 +1,4 @@
-"""What runs beside the model, wherever it runs (a worker thread of the frontend, an engine process, a
+"""What runs beside the model, wherever it runs (a thread of the frontend's process, an engine process, a
 Ray actor): building the EngineCore (`build`), the engine-core actor that steps it (`core_actor`) and the
 engine process's main (`child`: spawned, or headless with `troupe engine --connect`).
 

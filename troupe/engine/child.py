@@ -10,10 +10,10 @@ Shutdown: `EngineShutdown` from the frontend (the step in flight finishes, exit 
    spawned us ends) and a watchdog thread that exits when `os.getppid()` changes (any OS; it also
    covers a parent that died before the prctl).
 2. Connect and send `EngineHello`, before torch is imported.
-3. Build the EngineCore in a worker thread (torch threads: `num_threads`, else all cores); send
+3. Build the EngineCore on the engine's step thread (`core_actor.step_thread`; torch threads: `num_threads`, else all cores); send
    `EngineReady`, or `EngineStartupFailed` with the traceback and wait for `EngineShutdown`. What is
    alive once it is built is frozen out of the cyclic collector while it serves (`startup_heap_frozen`).
-4. Serve: the actor reads the bridge's stream directly while it steps in a worker thread, so socket
+4. Serve: the actor reads the bridge's stream directly while it steps on that same thread, so socket
    I/O and decoding overlap the model step and aborts never wait for a step; `EngineShutdown` is one
    more case of its inbox. After the actor reported `EngineDead`, inputs are dropped and the process
    waits for `EngineShutdown` (exit 1).
@@ -37,6 +37,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
@@ -46,7 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from troupe.config import EngineConfig
 from troupe.engine.build import MakeCore, build_core, ready_info
-from troupe.engine.core_actor import EngineCoreActor
+from troupe.engine.core_actor import EngineCoreActor, run_on, step_thread
 from troupe.errors import EngineStartupError
 from troupe.handoff import hand_over
 from troupe.process.bridge import Bridge, engine_identity
@@ -206,18 +207,19 @@ async def _serve(config: EngineConfig | None, address: str, engine_index: int, m
 async def _build_and_run(config: EngineConfig, engine_index: int, make_core: MakeCore | None,
                          to_wire_send: MemoryObjectSendStream[FromEngine],
                          from_wire_recv: MemoryObjectReceiveStream[ToEngine]) -> int:
-    try:
-        core = await anyio.to_thread.run_sync(_build, config, make_core, engine_index)
-    except EngineStartupError as exc:
-        log.error("engine start-up failed", error=f"{exc.cause_type}: {exc.cause_message}")
-        await to_wire_send.send(EngineStartupFailed(engine_index, exc.cause_type, exc.cause_message,
-                                                    exc.engine_traceback))
-        with anyio.move_on_after(SHUTDOWN_WAIT_S):
-            await _until_shutdown(from_wire_recv)
-        return EXIT_FAILED
-    await to_wire_send.send(ready_info(core, engine_index))
-    with startup_heap_frozen():
-        return await _run_engine(core, engine_index, to_wire_send, from_wire_recv)
+    with step_thread(engine_index) as pool:  # builds the core and steps it: one OpenMP team (core_actor)
+        try:
+            core = await run_on(pool, _build, config, make_core, engine_index)
+        except EngineStartupError as exc:
+            log.error("engine start-up failed", error=f"{exc.cause_type}: {exc.cause_message}")
+            await to_wire_send.send(EngineStartupFailed(engine_index, exc.cause_type, exc.cause_message,
+                                                        exc.engine_traceback))
+            with anyio.move_on_after(SHUTDOWN_WAIT_S):
+                await _until_shutdown(from_wire_recv)
+            return EXIT_FAILED
+        await to_wire_send.send(ready_info(core, engine_index))
+        with startup_heap_frozen():
+            return await _run_engine(core, engine_index, to_wire_send, from_wire_recv, pool)
 
 
 @contextlib.contextmanager
@@ -272,11 +274,11 @@ async def _exit_when_frontend_leaves(bridge: Bridge[FromEngine, ToEngine], scope
 
 
 async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectSendStream[FromEngine],
-                      inbox: MemoryObjectReceiveStream[ToEngine]) -> int:
+                      inbox: MemoryObjectReceiveStream[ToEngine], pool: ThreadPoolExecutor) -> int:
     """The actor reads the bridge's stream itself (one hand-off between the socket and the step loop)
     and stops at `EngineShutdown`. An actor that failed (`EngineDead` sent) leaves the rest of the
     stream here: inputs are dropped until the frontend's `EngineShutdown`."""
-    actor = EngineCoreActor(core, inbox, outbox.clone(), engine_index=engine_index)
+    actor = EngineCoreActor(core, inbox, outbox.clone(), engine_index=engine_index, step_thread=pool)
     await actor.run()
     if actor.failed:
         await _until_shutdown(inbox)

@@ -8,8 +8,8 @@ Outbox:   `EngineOutput`: one `EngineCoreOutputs` per step, `UtilityResult`s, an
           if the engine fails (then the actor stops stepping). A failure that belongs to one
           request (its add raising, or anything `EngineCore.step` pins on it) is that request's
           error output instead, and the engine goes on.
-Owns:     the EngineCore (not thread-safe: only the step thread touches it once the actor runs) and
-          that thread.
+Owns:     the EngineCore (not thread-safe: only the step thread touches it once the actor runs), and
+          the step thread unless its owner passed one in (`step_thread`: the thread that built the core).
 Shutdown: the inbox closing (EndOfStream) ends the actor once its requests are done;
           `EngineShutdown` ends it after the step in flight, whatever is still running (the
           frontend aborted or gave up on it); cancelling its task group waits for the step in flight
@@ -28,6 +28,13 @@ step (`anyio.to_thread.run_sync`: a hop to the pool and one back to the loop bef
 start) this saves the round trip: measured on the null model, one request, 2-core Xeon (AMX), 0.15-0.18 ms
 of a 0.28-0.31 ms step.
 
+One thread for all of an engine's torch work. OpenMP keeps a thread team per calling thread, and libgomp
+throttles its idle threads' spinning once the teams hold more threads than the machine has cores: they
+sleep between parallel regions and are woken at almost every op. A core built on one thread (its
+warm-up runs kernels) and stepped on another keeps two teams, and on 2 cores each decode step took 10 ms
+instead of 5 (the default model, one request, Zen 4). So an engine's owner creates its step thread first
+(`step_thread()`), builds the core on it (`run_on`) and hands it to the actor, which runs its loop there.
+
 Logs: every line carries `actor=engine_core`, `engine=` (the DP rank) and `step=` (the number of the
 step being prepared or run, 1-based); lines about a request carry the user's id as `request_id=`,
 taken from the message and passed on the line (log context does not cross the process boundary,
@@ -43,7 +50,9 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import TYPE_CHECKING, Any, NamedTuple, assert_never
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, assert_never
 
 import anyio
 import structlog
@@ -77,6 +86,22 @@ UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "echo", "fail"})
 MAX_AHEAD = 2  # outputs the step thread may have queued that the event loop has not sent on yet
 
 
+T = TypeVar("T")
+
+
+def step_thread(engine_index: int) -> ThreadPoolExecutor:
+    """The thread that builds an engine's core and runs its steps (module docstring: one OpenMP team):
+    a one-thread pool named `troupe-step-N`; its creator shuts it down (`with step_thread(i) as pool:`)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"troupe-step-{engine_index}")
+
+
+async def run_on(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on `pool`'s thread, awaited from the event loop (a cancelled wait still waits for it:
+    a thread cannot be interrupted)."""
+    future = pool.submit(fn, *args)
+    return await anyio.to_thread.run_sync(future.result)
+
+
 class EngineActorStats(NamedTuple):
     steps: int
     pending: int
@@ -85,8 +110,10 @@ class EngineActorStats(NamedTuple):
 
 class EngineCoreActor:
     def __init__(self, core: EngineCore, inbox: MemoryObjectReceiveStream[ToEngine],
-                 outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0) -> None:
+                 outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0,
+                 step_thread: ThreadPoolExecutor | None = None) -> None:
         self.core = core
+        self._pool = step_thread  # None: the actor makes its own and shuts it down
         self._inbox = inbox
         self._outbox = outbox
         self.engine_index = engine_index
@@ -111,10 +138,9 @@ class EngineCoreActor:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         structlog.contextvars.bind_contextvars(actor="engine_core", engine=self.engine_index)
         context = contextvars.copy_context()  # the step thread logs with the actor's bindings
-        thread = threading.Thread(target=context.run, args=(self._step_thread,), daemon=True,
-                                  name=f"troupe-step-{self.engine_index}")
+        pool = self._pool or step_thread(self.engine_index)
         async with self._outbox:
-            thread.start()
+            loop_done = pool.submit(context.run, self._step_thread)
             try:
                 task_status.started()
                 async with anyio.create_task_group() as tg:
@@ -126,7 +152,9 @@ class EngineCoreActor:
                     self._stop = True
                     self._cond.notify_all()
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(thread.join)
+                    await anyio.to_thread.run_sync(loop_done.result)
+                    if self._pool is None:
+                        pool.shutdown()
         if self._crash is not None:
             raise self._crash
 

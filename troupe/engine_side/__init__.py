@@ -6,7 +6,7 @@ starts with `await tg.start(side.run)` (returning once the engine is ready, or r
 `pids`. Nothing else in the graph or the facades knows which one runs.
 
 - `InProcessEngine` (troupe.engine_side.in_process, `multiprocess=False`, for debugging): builds the
-  EngineCore in a worker thread and runs the `EngineCoreActor` in the graph's task group.
+  EngineCore on its step thread and runs the `EngineCoreActor` there, in the graph's task group.
 - `EngineProcess` (troupe.engine_side.engine_process, the default): the same actor in a spawned
   process, behind a ZMQ bridge; or (`remote=True`) in a headless engine that joins over TCP.
 - `RayEngine` (troupe.engine_side.ray_engine, `data_parallel_backend="ray"`): that headless engine in
