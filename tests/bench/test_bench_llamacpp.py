@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from troupe.bench import harness, llamacpp
@@ -45,6 +46,9 @@ class Handler(BaseHTTPRequestHandler):
             print("fake server: crashing", flush=True)
             os._exit(3)
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if posts == int(os.environ.get("FAKE_DROP_POST", "0")):  # a keep-alive connection closed as it came
+            self.close_connection = True
+            return
         assert req["model"] == argv[argv.index("--alias") + 1] and req["ignore_eos"] is True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -176,3 +180,42 @@ def test_a_server_that_dies_mid_load_fails_its_round_not_the_run(tmp_path: Path,
     assert note.startswith(f"{engine.label}, round 0: the server failed: ") and "the load failed" in note
     assert "RemoteProtocolError" in note or "ReadError" in note or "ConnectError" in note, note
     assert report.median(engine.label, "serve_tok_s") is None
+
+
+@pytest.mark.slow  # a server process
+@pytest.mark.timeout(120)
+async def test_a_request_on_a_connection_the_server_closed_is_sent_again(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the server answers by closing the connection, with no response (llama-server closing a
+    keep-alive connection as the request goes out), is sent again once on a fresh connection and counted;
+    every request still gets all its tokens."""
+    import argparse
+    import subprocess
+
+    import httpx
+
+    from troupe.bench import server
+    from troupe.bench.peers import stop_group
+    from troupe.bench.serving import free_port
+
+    monkeypatch.setenv("FAKE_PEER_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("FAKE_DROP_POST", "3")  # the warm-up, one request, then a dropped one
+    (tmp_path / "server.py").write_text(textwrap.dedent(FAKE_SERVER))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "server.py"), "--port", str(port), "--alias", "m"],
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient() as http:
+            for _ in range(200):
+                try:
+                    if (await http.get(f"{url}/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await anyio.sleep(0.05)
+        args = argparse.Namespace(clients=2, requests=5, max_tokens=4, prompt_words=3, api_key=None, served_model="m")
+        figures = await server.run(url, args)
+    finally:
+        stop_group(proc, grace=5.0)
+    assert figures["requests"] == 5 and figures["output_tokens"] == 5 * 4
+    assert figures["resent_requests"] == 1

@@ -15,6 +15,7 @@ benchmark_serving measures it). Needs httpx (`pip install 'troupe[test]'`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import signal
@@ -40,6 +41,7 @@ class Sample:
     ttft: float
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    resent: bool = False  # the first try met a connection the server had closed (sent again once)
 
 
 def make_prompt(i: int, words: int, rng: random.Random) -> str:
@@ -48,15 +50,38 @@ def make_prompt(i: int, words: int, rng: random.Random) -> str:
     return f"Request {i}: {body}"
 
 
+class _ClosedBeforeResponse(Exception):
+    """The server closed the request's connection before any response (a pooled keep-alive connection it
+    had just closed)."""
+
+
 async def one_request(http: Any, i: int, args: argparse.Namespace, rng: random.Random) -> Sample:
     body = {"model": args.served_model, "prompt": make_prompt(i, args.prompt_words, rng),
             "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    try:
+        return await _stream_one(http, i, body)
+    except _ClosedBeforeResponse:
+        # llama-server closes keep-alive connections after a few requests, and a request can go out on one
+        # as it closes: sent again once on a fresh connection, as HTTP clients resend an idempotent
+        # request, and counted. A failure after the response began is the round's failure.
+        sample = await _stream_one(http, i, body)
+        sample.resent = True
+        return sample
+
+
+async def _stream_one(http: Any, i: int, body: dict[str, Any]) -> Sample:
+    import httpx
+
     sent = time.perf_counter()
     first: float | None = None
     last = sent
     sample = Sample(ttft=0.0)
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            resp = await stack.enter_async_context(http.stream("POST", "/v1/completions", json=body))
+        except httpx.RemoteProtocolError as e:
+            raise _ClosedBeforeResponse(f"request {i}: {e}") from e
         if resp.status_code != 200:
             raise RuntimeError(f"request {i}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
@@ -114,7 +139,8 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "prompt_words": args.prompt_words, "elapsed_s": elapsed, "requests_per_s": len(samples) / elapsed,
             "output_tokens_per_s": tokens / elapsed, "output_tokens": tokens,
             "ttft_median_ms": 1000 * statistics.median(ttfts), "ttft_p99_ms": 1000 * percentile(ttfts, 99),
-            "itl_median_ms": 1000 * statistics.median(itls), "itl_p99_ms": 1000 * percentile(itls, 99)}
+            "itl_median_ms": 1000 * statistics.median(itls), "itl_p99_ms": 1000 * percentile(itls, 99),
+            "resent_requests": sum(s.resent for s in samples)}
 
 
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str]:
