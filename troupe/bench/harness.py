@@ -302,14 +302,9 @@ def prebuild_cpu_kernels(timeout: float = 900.0) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    from troupe.kernels.cpu.build import cpuinfo
+
+    return cpuinfo("model name") or "unknown"
 
 
 if __name__ == "__main__":

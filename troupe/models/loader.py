@@ -125,15 +125,10 @@ def auto_dtype() -> torch.dtype:
     return torch.bfloat16 if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def _cpu_flags() -> frozenset[str]:
+    from troupe.kernels.cpu.build import cpu_flags
+
+    return cpu_flags()
 
 
 def read_model_info(path: Path, dtype: str | torch.dtype = "auto") -> ModelInfo:

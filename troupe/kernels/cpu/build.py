@@ -60,29 +60,28 @@ class BuildError(RuntimeError):
     """The compiled kernels cannot be built or loaded here; the message says why."""
 
 
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this machine's first CPU (`/proc/cpuinfo`; empty if unreadable)."""
+def cpuinfo(field: str) -> str:
+    """The value of `field` ("flags", "vendor_id", "model name", ...) for this machine's first CPU in
+    `/proc/cpuinfo`; empty if unreadable or absent."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_vendor() -> str:
-    """The vendor of this machine's first CPU (`vendor_id` in `/proc/cpuinfo`: "GenuineIntel", "AuthenticAMD";
-    empty if unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == field:
+                    return value.strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this machine's first CPU (`/proc/cpuinfo`; empty if unreadable)."""
+    return frozenset(cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The vendor of this machine's first CPU: "GenuineIntel", "AuthenticAMD" (empty if unreadable)."""
+    return cpuinfo("vendor_id")
 
 
 def isa() -> str:
