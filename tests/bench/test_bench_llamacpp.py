@@ -23,7 +23,7 @@ from troupe.bench.report import Report
 SAMPLE = (Path(__file__).parent / "data" / "llama_batched_bench.txt").read_text()
 
 FAKE_SERVER = '''
-import json, os, sys
+import json, os, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 argv = sys.argv[1:]
@@ -31,6 +31,7 @@ with open(os.environ["FAKE_PEER_LOG"], "a") as f:
     f.write(json.dumps({"call": "llama-server", "argv": argv}) + "\\n")
 
 posts = 0
+posts_lock = threading.Lock()  # handlers run in threads: each takes its own number
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -42,12 +43,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         global posts
-        posts += 1
-        if posts > int(os.environ.get("FAKE_CRASH_AFTER", "1000000")):  # the process dies mid-load
+        with posts_lock:
+            posts += 1
+            number = posts
+        if number > int(os.environ.get("FAKE_CRASH_AFTER", "1000000")):  # the process dies mid-load
             print("fake server: crashing", flush=True)
             os._exit(3)
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if posts == int(os.environ.get("FAKE_DROP_POST", "0")):  # a keep-alive connection closed as it came
+        if number == int(os.environ.get("FAKE_DROP_POST", "0")):  # a keep-alive connection closed as it came
             self.close_connection = True
             return
         assert req["model"] == argv[argv.index("--alias") + 1] and req["ignore_eos"] is True
