@@ -78,9 +78,10 @@ def test_bf16_gemm_within_the_rounding_bound(qtype: QType) -> None:
 @needs_bf16
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q4_1], ids=lambda q: q.name)
 def test_by_m_choice_and_errors(qtype: QType) -> None:
-    """Up to `bf16_rows_max_m()` rows (8 with AMX, 6 with the dot-product kernel on AMD, else 12) the mode is the 16-bit rows path (path 4) for the
-    K-quants and the output-exact float path for the other formats, bit for bit; above, the bf16 GEMM with
-    the CPU's best kernel (path 1); bad arguments are refused with the reason."""
+    """Up to `bf16_rows_max_m()` rows (8 with AMX, 6 with the dot-product kernel on AMD, else 12) the mode
+    is the 16-bit rows path (path 4) for the K-quants and the output-exact float path for the other
+    formats, bit for bit; above, the bf16 GEMM with the CPU's best kernel (path 1); bad arguments are refused
+    with the reason."""
     w = random_quantized(qtype, N, 512, torch.Generator().manual_seed(5))
     limit = ops().bf16_rows_max_m()
     amd = build.cpu_vendor() == "AuthenticAMD"

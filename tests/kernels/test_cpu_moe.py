@@ -163,7 +163,8 @@ def test_bad_input_is_refused(sets: dict[bool, object]) -> None:
 
 needs_bf16 = pytest.mark.skipif("avx512_bf16" not in build.cpu_flags() or build.isa() != "native",
                                 reason="this CPU lacks avx512_bf16 (or TROUPE_CPU_ISA=avx2): no gguf-bf16 mode")
-DECODE = ("decode_k2", "decode_k1", "idle_experts", "mixed_sizes")  # every expert at <= 6 tokens (bf16_rows_max_m() >= 6)
+# every expert at <= 6 tokens (bf16_rows_max_m() >= 6)
+DECODE = ("decode_k2", "decode_k1", "idle_experts", "mixed_sizes")
 
 
 @needs_bf16

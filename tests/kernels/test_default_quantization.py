@@ -26,7 +26,8 @@ Machine = Callable[[str, frozenset[str], bool], None]
 
 @pytest.fixture
 def machine(monkeypatch: pytest.MonkeyPatch) -> Machine:
-    """Set the CPU's vendor, its flags and whether the compiled bf16 kernels run: `machine(vendor, flags, runs)`."""
+    """Set the CPU's vendor, its flags and whether the compiled bf16 kernels run:
+    `machine(vendor, flags, runs)`."""
     def set_machine(vendor: str, flags: frozenset[str], runs: bool) -> None:
         monkeypatch.setattr(select, "_cpu_vendor", lambda: vendor)
         monkeypatch.setattr(select, "_cpu_flags", lambda: flags)
@@ -78,7 +79,8 @@ def test_an_engine_reports_the_mode_it_runs(tiny_gguf_llama: Path) -> None:
 
     runner = ModelRunner(EngineConfig(model=str(tiny_gguf_llama), num_kv_blocks=16, kernels="cpu"))
     flags = cpu_flags()
-    bf16 = ("amx_bf16" in flags or ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD")) and bf16_runs()
+    measured = "amx_bf16" in flags or ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD")
+    bf16 = measured and bf16_runs()
     assert runner.quantization == ("gguf-bf16" if bf16 else "auto")
     assert getattr(runner.kernels, "bf16", False) is bf16
     exact = ModelRunner(EngineConfig(model=str(tiny_gguf_llama), num_kv_blocks=16, kernels="cpu", quantization="gguf"))

@@ -23,7 +23,8 @@ class ThreadProbe(Hooks):
 
         def step() -> Any:
             if threading.get_ident() != built_id:
-                raise RuntimeError(f"stepped on thread {threading.current_thread().name!r}, built on {built!r}")
+                here = threading.current_thread().name
+                raise RuntimeError(f"stepped on thread {here!r}, built on {built!r}")
             return real_step()
 
         core.step = step

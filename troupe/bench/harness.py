@@ -173,8 +173,8 @@ def run_round(engine: eng.BenchEngine, rnd: int, args: argparse.Namespace, spec:
         else:
             f = srv.figures
             if f.get("resent_requests"):
-                report.notes.append(f"{engine.label}, round {rnd}: {f['resent_requests']} request(s) sent again: the "
-                                    "server closed their keep-alive connection before responding")
+                report.notes.append(f"{engine.label}, round {rnd}: {f['resent_requests']} request(s) sent again: "
+                                    "the server closed their keep-alive connection before responding")
             report.add(engine.label, "serve_tok_s", f["output_tokens_per_s"])
             report.add(engine.label, "serve_ttft_ms", f["ttft_median_ms"])
             report.add(engine.label, "serve_itl_ms", f["itl_median_ms"])

@@ -125,7 +125,7 @@ def serve_once(cmd: list[str], port: int, *, env: dict[str, str], workdir: Path,
     with served(cmd, url, env, log, startup_timeout) as (ready_s, sampler):
         try:
             figures = anyio.run(load.run, url, args)
-        except Exception as e:  # a request failed or the server went away mid-load: this round fails, not the run
+        except Exception as e:  # a request failed or the server went away mid-load: the round fails, not the run
             raise WorkerError(f"{tag}: the load failed: {_first_leaf(e)!r}; the server's output ends:\n"
                               f"{log_tail(log)}") from e
     expected = requests * max_tokens

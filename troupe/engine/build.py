@@ -26,8 +26,8 @@ MakeCore = Callable[[EngineConfig], "EngineCore"]
 
 
 def build_core(config: EngineConfig, make_core: MakeCore | None = None, engine_index: int = 0) -> EngineCore:
-    """Build the EngineCore (blocking: on the engine's step thread, `core_actor.step_thread`) between the config's
-    `before_build` and `after_build` hook points."""
+    """Build the EngineCore (blocking: on the engine's step thread, `core_actor.step_thread`) between the
+    config's `before_build` and `after_build` hook points."""
     try:
         from troupe.core.engine_core import EngineCore  # torch: only where the engine runs
 

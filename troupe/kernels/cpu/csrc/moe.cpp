@@ -29,8 +29,8 @@
 // fused float path sums each output as qmatmul's rows path does (exact up to summation order).
 //
 // bfloat16 batches (`bf16`, the "gguf-bf16" mode): experts with more tokens than linear_bf16's rows limit
-// (bf16_rows_max_m) take linear_bf16 (the bf16 panel GEMM); fused experts in a format the 16-bit rows path decodes (rows_i16.h: K-quants) take
-// that path, on x's rows and then the activations' rows quantized to int16 once per call; others the float
+// (bf16_rows_max_m) take linear_bf16 (the bf16 panel GEMM); fused experts in a format the 16-bit rows path
+// decodes (rows_i16.h: K-quants) take that path, on x's rows and then the activations' rows quantized to int16 once per call; others the float
 // rows kernel, as without `bf16`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
