@@ -68,11 +68,11 @@ def test_bad_isa_is_refused(monkeypatch):
 @needs_build
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # one small C++ build
-def test_prebuild_clears_a_stale_lock_and_a_later_process_loads_without_the_toolchain(tmp_path):
-    """`prebuild` compiles a library into its own cache folder per ISA, marked complete, clearing the stale
-    cpp_extension lock that a build killed midway leaves (instead of waiting on it forever) and emptying a
+def test_prebuild_finishes_a_killed_build_and_a_later_process_loads_without_the_toolchain(tmp_path):
+    """`prebuild` compiles a library into its own cache folder per ISA, marked complete, over what a build
+    killed midway left there (a folder without its `built` marker, a partial object file), and empties a
     folder of the cache no process has loaded for two months (`STALE_AFTER_DAYS`); a later
-    process loads a completed library directly (here with cpp_extension's build made to fail), so another
+    process loads a completed library directly (here with every compiler command made to fail), so another
     checkout or virtual environment with the same torch and compiler does not build again. The AVX2 build
     is made in an empty cache; the native one is the session's (tests/conftest.py prebuilds it)."""
     env = {**os.environ, "TROUPE_CACHE_DIR": str(tmp_path), "TROUPE_CPU_ISA": "avx2"}
@@ -80,7 +80,7 @@ def test_prebuild_clears_a_stale_lock_and_a_later_process_loads_without_the_tool
     key = build._build_key("probe", paths, [*build.BASE_FLAGS, *build.ISA_FLAGS["avx2"]])
     stale = tmp_path / "kernels" / key
     stale.mkdir(parents=True)
-    (stale / "lock").write_text("")  # what a killed build leaves
+    (stale / "probe.o").write_text("half an object file")  # what a killed build leaves
     unused = tmp_path / "kernels" / "attention-0123456789abcdef"  # last loaded two months ago
     unused.mkdir()
     for name in ("built", "troupe_attention.so"):
@@ -89,16 +89,16 @@ def test_prebuild_clears_a_stale_lock_and_a_later_process_loads_without_the_tool
     prebuild = "from troupe.kernels.cpu import build; build.prebuild({'probe': ('probe.cpp',)}, ('avx2',))"
     subprocess.run([sys.executable, "-c", prebuild], env=env, check=True, timeout=600)
     folders = list((tmp_path / "kernels").glob("probe-*"))
-    assert folders == [stale] and (stale / "built").exists() and not (stale / "lock").exists()
+    assert folders == [stale] and (stale / "built").exists()
     assert [p.name for p in unused.iterdir()] == ["troupe.lock"]  # the new build emptied it
     subprocess.run([sys.executable, "-c", prebuild.replace("avx2", "native")], env={**os.environ}, check=True,
                    timeout=600)
     code = textwrap.dedent("""
-        import torch, torch.utils.cpp_extension as ce
+        import torch
+        from troupe.kernels.cpu import build
         def no_build(*args, **kwargs):
             raise RuntimeError("built again")
-        ce.load = no_build
-        from troupe.kernels.cpu import build
+        build._run = no_build
         build.build("probe", ("probe.cpp",))
         print(torch.ops.troupe_probe.isa())
     """)
@@ -157,3 +157,91 @@ def test_a_load_stamps_its_build_folder():
     os.utime(marker, (long_ago, long_ago))
     build.build("probe", ("probe.cpp",))
     assert marker.stat().st_mtime > time.time() - 60
+
+
+class FakeCompiler:
+    """Stands in for the compiler in `build._run`: records each command, writes the file it names after
+    `-o`, and fails the commands whose text contains any of `fail`."""
+
+    def __init__(self, fail: tuple[str, ...] = ()) -> None:
+        self.commands: list[list[str]] = []
+        self.fail = fail
+
+    def __call__(self, cmd: list[str], what: str, timeout: float = 1800) -> None:
+        self.commands.append(cmd)
+        if any(f in " ".join(cmd) for f in self.fail):
+            raise build.BuildError(f"building {what} failed")
+        Path(cmd[cmd.index("-o") + 1]).write_text("x")
+
+    def sources(self) -> list[str]:
+        return [Path(c[c.index("-c") + 1]).name for c in self.commands if "-c" in c]
+
+
+EXTS = {"one": ("probe.cpp",), "three": ("attention.cpp", "attention_decode.cpp", "attention_prefill.cpp"),
+        "fused": ("fused.cpp",)}
+
+
+def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkeypatch, tmp_path):
+    """One pool for all of it: per ISA with at least `PCH_MIN_SOURCES` sources to compile, the headers
+    are precompiled first and every source of that ISA includes them; then every source (of every
+    extension and ISA), the longest first; then one link per extension, whose folder alone is marked
+    built. An ISA with fewer sources gets no precompiled header."""
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(build, "PCH_MIN_SOURCES", 5)
+    fake = FakeCompiler()
+    monkeypatch.setattr(build, "_run", fake)
+    build.prebuild(EXTS, ("native", "avx2"), jobs=1)  # one job: the commands run in the order submitted
+    kinds = ["pch" if "c++-header" in c else "link" if "-shared" in c else "compile" for c in fake.commands]
+    assert kinds == ["pch"] * 2 + ["compile"] * 10 + ["link"] * 6
+    headers = {c[-1].removesuffix(".gch") for c in fake.commands[:2]}
+    compiles = fake.commands[2:12]
+    assert all(c[c.index("-include") + 1] in headers for c in compiles)
+    assert {c[c.index("-include") + 1] for c in compiles} == headers  # each ISA its own
+    sizes = [(build.CSRC / name).stat().st_size for name in fake.sources()]
+    assert sizes == sorted(sizes, reverse=True)
+    for target in ("native", "avx2"):
+        for name, sources in EXTS.items():
+            assert (build.build_folder(name, sources, target) / "built").exists()
+    assert not any(tmp_path.glob("**/*.gch"))  # the precompiled headers (~280 MB each) are not kept
+
+    fake.commands.clear()
+    build.prebuild({"one": ("probe.cpp",)}, ("native",), jobs=1)
+    assert fake.commands == []  # built: nothing to do
+    build.prebuild({"two": ("probe.cpp", "fused.cpp")}, ("native",), jobs=1)
+    assert [c for c in fake.commands if "c++-header" in c or "-include" in c] == []  # 2 sources: no header
+
+
+def test_prebuild_leaves_a_failed_build_unmarked_and_builds_the_rest(monkeypatch, tmp_path):
+    """A source that fails to compile leaves its extension unlinked and unmarked (`build` reports the
+    error where it is used) while the others build; a precompiled header that fails only means the
+    sources parse the headers themselves."""
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(build, "PCH_MIN_SOURCES", 2)
+    fake = FakeCompiler(fail=("attention_decode.cpp", "c++-header"))
+    monkeypatch.setattr(build, "_run", fake)
+    build.prebuild(EXTS, ("native",), jobs=2)
+    assert not any("-include" in c for c in fake.commands)
+    links = [c for c in fake.commands if "-shared" in c]
+    assert sorted(Path(c[-1]).name for c in links) == ["troupe_fused.so", "troupe_one.so"]
+    assert not (build.build_folder("three", EXTS["three"], "native") / "built").exists()
+    assert (build.build_folder("one", EXTS["one"], "native") / "built").exists()
+
+
+def test_prebuild_skips_a_folder_another_process_is_building(monkeypatch, tmp_path):
+    """A folder whose lock another process holds is being built there: `prebuild` leaves it (whoever
+    loads it waits on that lock) instead of waiting or building it twice."""
+    import fcntl
+
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: None)
+    fake = FakeCompiler()
+    monkeypatch.setattr(build, "_run", fake)
+    busy = build.build_folder("one", EXTS["one"], "native")
+    busy.mkdir(parents=True)
+    with open(busy / "troupe.lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        build.prebuild({"one": EXTS["one"], "fused": EXTS["fused"]}, ("native",), jobs=1)
+    assert fake.sources() == ["fused.cpp"]
+    assert not (busy / "built").exists()
