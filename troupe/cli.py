@@ -13,6 +13,7 @@ engine that joins a frontend with data-parallel engines elsewhere (docs/data_par
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -326,5 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def console() -> int:
+    """The `troupe` command (and `python -m troupe.cli`): `main`, then the cyclic collector's final pass
+    skipped. Interpreter teardown collects once more, scanning every object torch, transformers and the
+    model made, ~0.35 s of every exit on the 2-core Zen 4 (1.45 s against 1.1 s for a process that only
+    imports torch); with them frozen first it scans none. Exit handlers, buffered output and finalizers
+    run as before, and the memory goes back to the OS either way."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console())
