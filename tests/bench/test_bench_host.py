@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,29 @@ def test_bad_arguments_name_the_option(bad: list[str], capsys: pytest.CaptureFix
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert bad[0] in err or "--batches" in err
+
+
+def test_the_core_is_built_and_stepped_on_one_thread(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The bare loops and the actor step the core on the thread that built it, as the engine process does
+    (a step on another thread would run a second OpenMP team: troupe.engine.core_actor)."""
+    import threading
+
+    from troupe.core import engine_core
+
+    same_thread: list[bool] = []
+
+    class Probe(engine_core.EngineCore):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            self.built_on = threading.get_ident()
+
+        def step(self) -> Any:
+            same_thread.append(threading.get_ident() == self.built_on)
+            return super().step()
+
+    monkeypatch.setattr(engine_core, "EngineCore", Probe)
+    argv = ["--model", str(tiny_gguf), "--device", "cpu", "--batches", "2", "--context", "8", "--steps", "3",
+            "--repeats", "1", "--threads", "1", "--actor"]
+    assert host.main(argv) == 0
+    assert len(same_thread) > 6 and all(same_thread)

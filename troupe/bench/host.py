@@ -35,6 +35,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from troupe.bench.step import Timers, ints, start_batch
@@ -99,9 +100,10 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
     return {name: statistics.median(v) for name, v in rounds.items()}
 
 
-def measure_actor(core: Any, batch: int, steps: int, repeats: int) -> dict[str, float]:
+def measure_actor(core: Any, batch: int, steps: int, repeats: int, pool: ThreadPoolExecutor) -> dict[str, float]:
     """Median ms per step of `batch` greedy requests of `steps` tokens (4-token prompts), stepped by a bare
-    loop (`bare`) and by the engine-core actor (`actor`), alternated `repeats` times."""
+    loop (`bare`) and by the engine-core actor (`actor`), alternated `repeats` times, both on `pool`'s
+    thread, the one that built `core` (one OpenMP team, as in the engine process)."""
     import anyio
 
     from troupe.engine.core_actor import EngineCoreActor
@@ -127,7 +129,7 @@ def measure_actor(core: Any, batch: int, steps: int, repeats: int) -> dict[str, 
         to_actor, inbox = anyio.create_memory_object_stream[Any](batch + 1)
         outbox, from_actor = anyio.create_memory_object_stream[Any](4)
         async with to_actor, inbox, from_actor, anyio.create_task_group() as tg:  # the actor closes its outbox
-            await tg.start(EngineCoreActor(core, inbox, outbox).run)
+            await tg.start(EngineCoreActor(core, inbox, outbox, step_thread=pool).run)
             start, n, done = time.perf_counter(), 0, 0
             for msg in adds():
                 await to_actor.send(msg)
@@ -142,7 +144,7 @@ def measure_actor(core: Any, batch: int, steps: int, repeats: int) -> dict[str, 
 
     rounds: dict[str, list[float]] = {"bare": [], "actor": []}
     for _ in range(repeats):
-        rounds["bare"].append(bare() * 1e3)
+        rounds["bare"].append(pool.submit(bare).result() * 1e3)
         rounds["actor"].append(anyio.run(actor) * 1e3)
     return {name: statistics.median(v) for name, v in rounds.items()}
 
@@ -171,20 +173,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     from troupe.config import EngineConfig
     from troupe.core.engine_core import EngineCore
     from troupe.engine.child import startup_heap_frozen
+    from troupe.engine.core_actor import step_thread
 
-    core = EngineCore(EngineConfig(
+    config = EngineConfig(
         model=args.model, multiprocess=False, device=args.device, dtype=args.dtype, quantization=args.quantization,
         kernels=args.kernels, null_model=args.null_model, enable_prefix_caching=False, num_threads=args.threads,
         log_stats_interval_s=None, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(8192, args.context),  # chunked prefill takes larger batches' prompts
-        max_model_len=args.context + args.steps * args.repeats + 16))
-    try:  # the start-up heap frozen, as in the engine process (a full collection would land in some steps)
-        with startup_heap_frozen():
-            results = {b: measure(core, b, args.context, args.steps, args.repeats, sync=args.sync)
-                       for b in args.batches}
-            actor = {b: measure_actor(core, b, args.steps, args.repeats) for b in args.batches} if args.actor else {}
-    finally:
-        core.close()
+        max_model_len=args.context + args.steps * args.repeats + 16)
+    # Built and stepped on one thread, as in the engine process: steps on another thread than the build's
+    # would run a second OpenMP team, which libgomp throttles (troupe.engine.core_actor).
+    with step_thread(0) as pool:
+        core = pool.submit(EngineCore, config).result()
+        try:  # the start-up heap frozen, as in the engine process (a full collection would land in some steps)
+            with startup_heap_frozen():
+                results = {b: pool.submit(measure, core, b, args.context, args.steps, args.repeats,
+                                          sync=args.sync).result() for b in args.batches}
+                actor = ({b: measure_actor(core, b, args.steps, args.repeats, pool) for b in args.batches}
+                         if args.actor else {})
+        finally:
+            pool.submit(core.close).result()
     model = "null model" if args.null_model else args.model
     print(f"# {model} on {core.runner.device} (kernels {core.runner.kernels.name}){', synced' if args.sync else ''}; "
           f"context {args.context} + up to {args.steps * args.repeats} tokens; medians of {args.repeats} rounds of "
