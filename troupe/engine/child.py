@@ -11,8 +11,9 @@ Shutdown: `EngineShutdown` from the frontend (the step in flight finishes, exit 
    covers a parent that died before the prctl).
 2. Connect and send `EngineHello`, before torch is imported.
 3. Build the EngineCore on the engine's step thread (`core_actor.step_thread`; torch threads:
-   `num_threads`, else all cores); send `EngineReady`, or `EngineStartupFailed` with the traceback and wait for `EngineShutdown`. What is
-   alive once it is built is frozen out of the cyclic collector while it serves (`startup_heap_frozen`).
+   `num_threads`, else all cores); send `EngineReady`, or `EngineStartupFailed` with the traceback and
+   wait for `EngineShutdown`. What is alive once it is built is frozen out of the cyclic collector
+   while it serves (`startup_heap_frozen`).
 4. Serve: the actor reads the bridge's stream directly while it steps on that same thread, so socket
    I/O and decoding overlap the model step and aborts never wait for a step; `EngineShutdown` is one
    more case of its inbox. After the actor reported `EngineDead`, inputs are dropped and the process

@@ -43,7 +43,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, NamedTuple
 
 import structlog
 import torch
@@ -156,7 +156,7 @@ def build(name: str, sources: Sequence[str]) -> None:
                 (folder / "built").unlink()
         plan = _plan(name, sources, target, folder)
         _run_all([cmd for cmd, _ in plan.compiles], jobs=os.cpu_count() or 1, what=f"the {name} kernels")
-        _run_all([plan.link], jobs=1, what=f"the {name} kernels")
+        _run(plan.link, f"the {name} kernels")
         (folder / "built").touch()  # only now: a build killed midway leaves no marker
         try:
             torch.ops.load_library(str(library))
@@ -321,7 +321,7 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("nat
     except BuildError:
         return  # `build` reports it where the kernels are used
     todo: list[tuple[str, str, tuple[str, ...], Path]] = []
-    guards = {}
+    guards: dict[Path, IO[str]] = {}
     try:
         for target in isas:
             for name, sources in extensions.items():
@@ -341,14 +341,14 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("nat
         with tempfile.TemporaryDirectory(prefix="troupe-pch-") as tmp:
             _prebuild(todo, jobs, timeout, Path(tmp), guards)
     finally:
-        for guard in guards.values():
-            guard.close()
+        for held in guards.values():
+            held.close()
     if todo:
         _remove_stale(keep=todo[-1][3])
 
 
 def _prebuild(todo: list[tuple[str, str, tuple[str, ...], Path]], jobs: int, timeout: float, tmp: Path,
-              guards: dict[Path, Any]) -> None:
+              guards: dict[Path, IO[str]]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     def attempt(cmd: list[str]) -> bool:
@@ -367,9 +367,9 @@ def _prebuild(todo: list[tuple[str, str, tuple[str, ...], Path]], jobs: int, tim
                  for target, name, sources, folder in todo]
         compiles = sorted((cmd for _, plan in plans for cmd in plan.compiles),
                           key=lambda item: -item[1].stat().st_size)  # the longest first: the cores end together
-        compiled = {id(cmd): pool.submit(attempt, cmd) for cmd, _ in compiles}
+        compiled = {src: pool.submit(attempt, cmd) for cmd, src in compiles}  # each source copy is one folder's
         links = {folder: pool.submit(attempt, plan.link) for folder, plan in plans
-                 if all(compiled[id(cmd)].result() for cmd, _ in plan.compiles)}
+                 if all(compiled[src].result() for _, src in plan.compiles)}
         for folder, linked in links.items():
             if linked.result():
                 (folder / "built").touch()
