@@ -1,5 +1,5 @@
 """What the graph builds before its actors run: every stream of the graph (`GraphStreams`), and the
-tokenizer, loaded while the engines start (`TokenizerPrefetch`). Used by troupe.actors.graph."""
+tokenizer and the structured-output backend, loaded while the engines start (`TokenizerPrefetch`). Used by troupe.actors.graph."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from troupe.actors.input_processor import FrontendInput
 from troupe.errors import EngineStartupError
 from troupe.messages import EngineInput, EngineOutput
 from troupe.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer
+from troupe.structured import backend as structured_backend
 
 STREAM_BUFFER = 64
 
@@ -53,7 +54,7 @@ class GraphStreams:
 
 
 class TokenizerPrefetch:
-    """Loads the tokenizer while the engine starts; `get(path)` falls back to loading from the
+    """Loads the tokenizer (and imports xgrammar) while the engine starts; `get(path)` falls back to loading from the
     folder the engine reports if the prefetch failed or resolved another folder."""
 
     def __init__(self) -> None:
@@ -88,4 +89,6 @@ class TokenizerPrefetch:
 
 def _resolve_and_load(model: str, revision: str | None, tokenizer: str | None) -> tuple[str, Any]:
     path = str(resolve_tokenizer(tokenizer) if tokenizer else resolve_model_path(model, revision))
-    return path, load_tokenizer(path)
+    loaded = load_tokenizer(path)
+    structured_backend.preload()  # validating a structured request needs it: not on the event loop's watch
+    return path, loaded

@@ -28,9 +28,17 @@ from troupe.structured.params import StructuredOutputsParams
 
 
 def _xgr() -> Any:
-    import xgrammar  # a few seconds to import: only when a structured request comes
+    import xgrammar  # imported on first use, or by `preload`
 
     return xgrammar
+
+
+def preload() -> None:
+    """Import xgrammar now, on the calling thread. Its native library's initialisation holds the GIL for
+    ~120 ms (more on a loaded machine): done lazily on the first structured request, that stalls every
+    other thread of the process, the server's event loop included. The frontend calls this in the thread
+    that loads the tokenizer while the engines start."""
+    _xgr()
 
 
 def choice_grammar(choices: list[str]) -> str:
