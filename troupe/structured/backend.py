@@ -37,7 +37,9 @@ def preload() -> None:
     """Import xgrammar now, on the calling thread. Its native library's initialisation holds the GIL for
     ~120 ms (more on a loaded machine): done lazily on the first structured request, that stalls every
     other thread of the process, the server's event loop included. The frontend calls this in the thread
-    that loads the tokenizer while the engines start."""
+    that loads the tokenizer while the engines start, after the tokenizer: xgrammar imports transformers'
+    tokenizer classes, and a second thread importing transformers at the same time finds its lazy module
+    half built (`cannot import name 'PreTrainedTokenizerBase'`)."""
     _xgr()
 
 
