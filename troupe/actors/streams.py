@@ -1,5 +1,6 @@
 """What the graph builds before its actors run: every stream of the graph (`GraphStreams`), and the
-tokenizer and the structured-output backend, loaded while the engines start (`TokenizerPrefetch`). Used by troupe.actors.graph."""
+tokenizer and the structured-output backend, loaded while the engines start (`TokenizerPrefetch`). Used by
+troupe.actors.graph."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ class GraphStreams:
 
 
 class TokenizerPrefetch:
-    """Loads the tokenizer (and imports xgrammar) while the engine starts; `get(path)` falls back to loading from the
-    folder the engine reports if the prefetch failed or resolved another folder."""
+    """Loads the tokenizer (and imports xgrammar after it) while the engine starts; `get(path)` falls back
+    to loading from the folder the engine reports if the prefetch failed or resolved another folder."""
 
     def __init__(self) -> None:
         self._done = anyio.Event()
@@ -84,11 +85,17 @@ class TokenizerPrefetch:
             return self._tokenizer
         if model_path is None:
             raise EngineStartupError(f"the tokenizer of {self._model!r} could not be loaded on this host: {self._error}")
-        return await anyio.to_thread.run_sync(load_tokenizer, model_path)
+        return await anyio.to_thread.run_sync(_load, model_path)
 
 
 def _resolve_and_load(model: str, revision: str | None, tokenizer: str | None) -> tuple[str, Any]:
     path = str(resolve_tokenizer(tokenizer) if tokenizer else resolve_model_path(model, revision))
-    loaded = load_tokenizer(path)
-    structured_backend.preload()  # validating a structured request needs it: not on the event loop's watch
-    return path, loaded
+    return path, _load(path)
+
+
+def _load(path: str) -> Any:
+    """The tokenizer at `path`, then xgrammar imported on the same thread (`structured.backend.preload`:
+    validating a structured request needs it, and its import is not to happen on the event loop's watch)."""
+    tokenizer = load_tokenizer(path)
+    structured_backend.preload()
+    return tokenizer

@@ -101,10 +101,15 @@ def _cache_root() -> Path:
     return cache_dir() / "kernels"
 
 
+def _compiler() -> str:
+    """The C++ compiler's command: `$CXX`, default `c++`."""
+    return os.environ.get("CXX", "c++")
+
+
 @functools.cache
 def _compiler_identity() -> str:
     """The C++ compiler's resolved path and the first line of its `--version` (empty if it cannot say)."""
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or ""
+    compiler = shutil.which(_compiler()) or ""
     if not compiler:
         return ""
     try:
@@ -169,7 +174,7 @@ def _check_toolchain() -> None:
     missing = REQUIRED_CPU_FLAGS - cpu_flags()
     if missing:
         raise BuildError(f"this CPU lacks {sorted(missing)} (the compiled kernels need AVX2, FMA and F16C)")
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler found ({compiler!r} is not on PATH)")
 
@@ -198,7 +203,7 @@ def _plan(name: str, sources: Sequence[str], target: str, folder: Path, pch: Pat
     first by every source."""
     from torch.utils.cpp_extension import library_paths
 
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     src = _stable_sources(folder, [CSRC / s for s in sources])
     flags = [*_compile_flags(target), f"-I{src}", *(["-include", str(pch), "-Winvalid-pch"] if pch else [])]
     objects = [folder / f"{Path(s).stem}.o" for s in sources]
@@ -382,9 +387,8 @@ def _precompile(folder: Path, target: str, timeout: float) -> Path | None:
     folder.mkdir(parents=True, exist_ok=True)
     header = folder / "troupe_pch.h"
     header.write_text("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
-    compiler = os.environ.get("CXX", "c++")
     try:
-        _run([compiler, *_compile_flags(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"],
+        _run([_compiler(), *_compile_flags(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"],
              "the precompiled header", timeout)
     except BuildError as exc:
         log.info("precompiling the kernels' headers failed: compiling without", reason=str(exc)[:500])
