@@ -145,13 +145,13 @@ async def test_requests_step_until_they_finish_and_the_closed_inbox_ends_the_act
         assert len(tokens["a"]) == 2 and len(tokens["b"]) == 3
         [thread] = a.core.threads
         assert thread != threading.get_ident()
-        assert [t.name for t in threading.enumerate() if t.ident == thread] == ["troupe-step-3_0"]
+        assert [t.name for t in threading.enumerate() if t.ident == thread] == ["troupe-step-3"]
         await a.inbox.aclose()
         await a.ended.wait()
         with pytest.raises(anyio.EndOfStream):
             await a.outbox.receive()
         assert a.actor.statistics().steps == a.core.steps and not a.actor.failed
-        assert "troupe-step-3_0" not in {t.name for t in threading.enumerate()}  # joined when the actor ended
+        assert "troupe-step-3" not in {t.name for t in threading.enumerate()}  # joined when the actor ended
 
 
 async def test_adds_and_aborts_arriving_during_a_step_wait_for_the_next_one() -> None:

@@ -90,6 +90,28 @@ def test_safe_from_several_threads(llm: LLM) -> None:
         assert [o.prompt for o in outs] == [f"thread {t} item {i}" for i in range(8)]
 
 
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_an_in_process_llm_never_closed_lets_the_interpreter_exit(tiny_llama: Path, tmp_path: Path, end: str) -> None:
+    """A script that leaves an in-process `LLM` open, ending normally or on an uncaught exception, exits
+    at once with its own status: the `weakref.finalize` stops the engine at exit (its step thread once hung
+    the exit: concurrent.futures joined it before the finalizer could run)."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(f"""
+        from troupe import LLM, SamplingParams
+        llm = LLM({str(tiny_llama)!r}, dtype="float32", num_kv_blocks=64, multiprocess=False)
+        out = llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        print(len(out[0].outputs[0].token_ids), flush=True)
+        if {end == "raise"}:
+            raise RuntimeError("the user's own error")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.stdout.strip() == "3", proc.stderr[-2000:]
+    if end == "raise":
+        assert proc.returncode == 1 and proc.stderr.rstrip().endswith("RuntimeError: the user's own error")
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_ctrl_c_returns_control_quickly(tiny_llama: Path, tmp_path: Path, engine_mode: dict[str, Any]) -> None:
     """SIGINT during a long generate: KeyboardInterrupt within 2 s, then a clean exit."""
     script = tmp_path / "child.py"

@@ -35,10 +35,12 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from troupe.bench.step import Timers, ints, start_batch
+
+if TYPE_CHECKING:
+    from troupe.engine.core_actor import StepThread
 
 PHASES = ("step", "schedule", "seqs", "execute", "sampling rows", "sampler", "update", "rest")
 HOST_TARGET_US = 6.0  # issue 43: host cost per request per step at 256 rows, on the null model
@@ -100,7 +102,7 @@ def measure(core: Any, batch: int, context: int, steps: int, repeats: int, sync:
     return {name: statistics.median(v) for name, v in rounds.items()}
 
 
-def measure_actor(core: Any, batch: int, steps: int, repeats: int, pool: ThreadPoolExecutor) -> dict[str, float]:
+def measure_actor(core: Any, batch: int, steps: int, repeats: int, pool: StepThread) -> dict[str, float]:
     """Median ms per step of `batch` greedy requests of `steps` tokens (4-token prompts), stepped by a bare
     loop (`bare`) and by the engine-core actor (`actor`), alternated `repeats` times, both on `pool`'s
     thread, the one that built `core` (one OpenMP team, as in the engine process)."""

@@ -38,7 +38,6 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
@@ -48,7 +47,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from troupe.config import EngineConfig
 from troupe.engine.build import MakeCore, build_core, ready_info
-from troupe.engine.core_actor import EngineCoreActor, run_on, step_thread
+from troupe.engine.core_actor import EngineCoreActor, StepThread, run_on, step_thread
 from troupe.errors import EngineStartupError
 from troupe.handoff import hand_over
 from troupe.process.bridge import Bridge, engine_identity
@@ -275,7 +274,7 @@ async def _exit_when_frontend_leaves(bridge: Bridge[FromEngine, ToEngine], scope
 
 
 async def _run_engine(core: EngineCore, engine_index: int, outbox: MemoryObjectSendStream[FromEngine],
-                      inbox: MemoryObjectReceiveStream[ToEngine], pool: ThreadPoolExecutor) -> int:
+                      inbox: MemoryObjectReceiveStream[ToEngine], pool: StepThread) -> int:
     """The actor reads the bridge's stream itself (one hand-off between the socket and the step loop)
     and stops at `EngineShutdown`. An actor that failed (`EngineDead` sent) leaves the rest of the
     stream here: inputs are dropped until the frontend's `EngineShutdown`."""

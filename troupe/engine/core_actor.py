@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
+import queue
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, assert_never
 
 import anyio
@@ -89,13 +91,53 @@ MAX_AHEAD = 2  # outputs the step thread may have queued that the event loop has
 T = TypeVar("T")
 
 
-def step_thread(engine_index: int) -> ThreadPoolExecutor:
-    """The thread that builds an engine's core and runs its steps (module docstring: one OpenMP team):
-    a one-thread pool named `troupe-step-N`; its creator shuts it down (`with step_thread(i) as pool:`)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"troupe-step-{engine_index}")
+class StepThread:
+    """One thread that runs what is submitted to it in order, `submit(fn, *args, **kwargs)` -> `Future`, until
+    `shutdown()` (or leaving `with`) ends it after the work already submitted and joins it.
+
+    Not a one-thread `ThreadPoolExecutor`: at interpreter exit, concurrent.futures joins its pools' threads
+    before any atexit hook runs, so an in-process engine left running (an `LLM` its user never closed,
+    whose `weakref.finalize` is one of those hooks) hung the exit on its own step loop. This thread is a
+    daemon: the exit goes on to the hooks, and the finalizer stops the engine and joins it."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, call = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # the caller's to see, as a pool would hand it over
+                    future.set_exception(exc)
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> StepThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
-async def run_on(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+def step_thread(engine_index: int) -> StepThread:
+    """The thread that builds an engine's core and runs its steps (module docstring: one OpenMP team),
+    named `troupe-step-N`; its creator shuts it down (`with step_thread(i) as pool:`)."""
+    return StepThread(f"troupe-step-{engine_index}")
+
+
+async def run_on(pool: StepThread, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on `pool`'s thread, awaited from the event loop (a cancelled wait still waits for it:
     a thread cannot be interrupted)."""
     future = pool.submit(fn, *args)
@@ -111,7 +153,7 @@ class EngineActorStats(NamedTuple):
 class EngineCoreActor:
     def __init__(self, core: EngineCore, inbox: MemoryObjectReceiveStream[ToEngine],
                  outbox: MemoryObjectSendStream[EngineOutput], *, engine_index: int = 0,
-                 step_thread: ThreadPoolExecutor | None = None) -> None:
+                 step_thread: StepThread | None = None) -> None:
         self.core = core
         self._pool = step_thread  # None: the actor makes its own and shuts it down
         self._inbox = inbox
