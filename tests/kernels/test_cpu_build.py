@@ -245,3 +245,69 @@ def test_prebuild_skips_a_folder_another_process_is_building(monkeypatch, tmp_pa
         build.prebuild({"one": EXTS["one"], "fused": EXTS["fused"]}, ("native",), jobs=1)
     assert fake.sources() == ["fused.cpp"]
     assert not (busy / "built").exists()
+
+
+def test_a_first_use_builds_only_what_is_missing_and_a_dense_model_no_moe(monkeypatch, tmp_path):
+    """`available()` hands every extension a dense model uses that the cache lacks to one `prebuild` (one
+    pool, for this ISA), then loads them; the MoE op's library only with `moe=True`, and only it then.
+    Nothing is handed over once all are built."""
+    import troupe.kernels.cpu as cpu
+
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    calls: list[tuple[list[str], tuple[str, ...]]] = []
+
+    def fake_prebuild(extensions, isas, jobs):
+        calls.append((list(extensions), tuple(isas)))
+        for name, sources in extensions.items():
+            folder = build.build_folder(name, sources, isas[0])
+            folder.mkdir(parents=True)
+            (folder / "built").touch()
+
+    loaded: list[str] = []
+    monkeypatch.setattr(build, "prebuild", fake_prebuild)
+    monkeypatch.setattr(cpu, "load_ops", lambda name, sources: loaded.append(name) is None)
+    monkeypatch.setenv("TROUPE_CPU_ISA", "avx2")
+    cpu._build_missing.cache_clear()
+    try:
+        assert cpu.available()
+        assert calls == [(["probe", "qmm", "attention", "fused", "stack"], ("avx2",))]
+        assert loaded == ["probe", "qmm", "attention", "fused", "stack"]
+        assert cpu.available(moe=True)
+        assert calls[1:] == [(["moe"], ("avx2",))] and "moe" in loaded[5:]
+        cpu._build_missing.cache_clear()
+        assert cpu.available(moe=True) and len(calls) == 2  # all built: no prebuild
+    finally:
+        cpu._build_missing.cache_clear()
+
+
+@needs_build
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a C++ build (unless cached)
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_only_a_moe_model_loads_the_moe_library(tmp_path, arch):
+    """An engine on the cpu set loads `troupe_moe` for a mixture-of-experts model (its experts run in it)
+    and not for a dense one, which then never builds it either."""
+    from troupe.models.tiny import make_transformers_model
+
+    if arch == "llama":
+        model = make_transformers_model(tmp_path, "LlamaConfig", **TINY)
+    else:
+        model = make_transformers_model(tmp_path, "Qwen3MoeConfig", num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=48, **TINY)
+    code = textwrap.dedent(f"""
+        from troupe import LLM, SamplingParams
+        with LLM({str(model)!r}, dtype="float32", kernels="cpu", num_kv_blocks=64, num_threads=1,
+                 multiprocess=False) as llm:
+            out = llm.generate({{"prompt_token_ids": [5, 6, 7]}}, SamplingParams(max_tokens=2, temperature=0.0),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 2
+            print("troupe_moe.so" in open("/proc/self/maps").read())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(arch != "llama")
+
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)

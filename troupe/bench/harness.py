@@ -284,7 +284,7 @@ def prebuild_cpu_kernels(timeout: float = 900.0) -> str:
     own, before any worker starts; returns a note saying which. A first use compiles them (tens of seconds
     of g++ in the engine's process tree), and a worker that did that would report the compile as start-up
     and the compiler's memory as the engine's peak RSS; the workers find them cached instead."""
-    code = "import sys; from troupe.kernels.cpu import available; sys.exit(0 if available() else 3)"
+    code = "import sys; from troupe.kernels.cpu import available; sys.exit(0 if available(moe=True) else 3)"
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL, start_new_session=True)

@@ -18,6 +18,8 @@ greedy-equality suite holds with it, docs/kernels.md has the figures), or "float
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +36,7 @@ from troupe.kernels.base import (
     flatten_step,
     zeros,
 )
-from troupe.kernels.cpu import fused, stack
+from troupe.kernels.cpu import build, fused, stack
 from troupe.kernels.cpu import linear as qlinear
 from troupe.kernels.cpu import moe as cmoe
 from troupe.kernels.cpu.arena import WeightArena
@@ -55,9 +57,30 @@ EXTENSIONS: dict[str, tuple[str, ...]] = {  # extension name -> its csrc/ source
 KV_DTYPES = {"auto": torch.float16, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def available() -> bool:
-    """Whether every compiled extension of the set builds and loads here (built once, then cached)."""
-    return all(load_ops(name, sources) for name, sources in EXTENSIONS.items())
+DENSE_EXTENSIONS = {name: sources for name, sources in EXTENSIONS.items() if name != "moe"}  # what a dense model loads
+
+
+def available(moe: bool = False) -> bool:
+    """Whether the compiled extensions that a dense model uses (with `moe`, the experts' op too) build and
+    load here. Built once, then cached: a first use compiles every missing source in one pool of compiler
+    processes, one per core this process may run on, after a precompiled header (`build.prebuild`), then
+    loads each library; a build in progress elsewhere is waited for."""
+    wanted = EXTENSIONS if moe else DENSE_EXTENSIONS
+    _build_missing(tuple(wanted))
+    return all(load_ops(name, sources) for name, sources in wanted.items())
+
+
+@functools.cache
+def _build_missing(names: tuple[str, ...]) -> None:
+    """`build.prebuild` of those of `names` not in the cache, once a process; a problem (no compiler, a
+    bad TROUPE_CPU_ISA, a source that fails) is left for `load_ops` to report."""
+    try:
+        target = build.isa()
+        missing = {n: EXTENSIONS[n] for n in names if not (build.build_folder(n, EXTENSIONS[n], target) / "built").exists()}
+    except BuildError:
+        return
+    if missing:
+        build.prebuild(missing, (target,), jobs=len(os.sched_getaffinity(0)))
 
 
 def bf16_built() -> bool:
@@ -109,8 +132,9 @@ class CpuKernels(EagerKernels):
     def moe(self, gate_up: Sequence[ExpertGateUp], down: Sequence[Weight]) -> MoeOp:
         """The experts in one compiled call on their blocks, where they are (`moe.py`: not moved into the
         arena, so a GGUF's stay mapped); `grouped_experts` where it does not apply (experts of mixed formats,
-        rows that are not whole blocks)."""
-        op = cmoe.fused_moe(gate_up, down, self.quantize_activations, self.bf16)
+        rows that are not whole blocks) or its library does not build (`available` logs why). The library
+        is built and loaded here, at a MoE model's first layer: a dense model does without it."""
+        op = cmoe.fused_moe(gate_up, down, self.quantize_activations, self.bf16) if available(moe=True) else None
         return op if op is not None else super().moe(gate_up, down)
 
     # ------------------------------------------------------------------ the KV pool
