@@ -212,6 +212,25 @@ def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkey
     assert [c for c in fake.commands if "c++-header" in c or "-include" in c] == []  # 2 sources: no header
 
 
+def test_a_worker_the_precompile_leaves_idle_takes_the_longest_source_without_the_header(monkeypatch, tmp_path):
+    """Two workers, one ISA: while one precompiles the headers, the other compiles the longest source on
+    its own (no `-include`); every other source waits for the header and includes it; all are built."""
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(build, "PCH_MIN_SOURCES", 5)
+    fake = FakeCompiler()
+    monkeypatch.setattr(build, "_run", fake)
+    build.prebuild(EXTS, ("native",), jobs=2)
+    compiles = [c for c in fake.commands if "-c" in c]
+    bare = [Path(c[c.index("-c") + 1]).name for c in compiles if "-include" not in c]
+    everything = [s for sources in EXTS.values() for s in sources]
+    assert bare == [max(everything, key=lambda s: (build.CSRC / s).stat().st_size)]
+    assert sorted(fake.sources()) == sorted(everything)  # each source once
+    assert sum("c++-header" in c for c in fake.commands) == 1
+    for name, sources in EXTS.items():
+        assert (build.build_folder(name, sources, "native") / "built").exists()
+
+
 def test_prebuild_leaves_a_failed_build_unmarked_and_builds_the_rest(monkeypatch, tmp_path):
     """A source that fails to compile leaves its extension unlinked and unmarked (`build` reports the
     error where it is used) while the others build; a precompiled header that fails only means the

@@ -354,7 +354,7 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("nat
 
 def _prebuild(todo: list[tuple[str, str, tuple[str, ...], Path]], jobs: int, timeout: float, tmp: Path,
               guards: dict[Path, IO[str]]) -> None:
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     def attempt(cmd: list[str]) -> bool:
         try:
@@ -368,11 +368,18 @@ def _prebuild(todo: list[tuple[str, str, tuple[str, ...], Path]], jobs: int, tim
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pch_targets = [t for t in targets if counts[t] >= PCH_MIN_SOURCES]
         pch = {t: pool.submit(_precompile, tmp / t, t, timeout) for t in pch_targets}
+        # the workers the precompiles leave idle take those ISAs' longest sources meanwhile, without the header
+        spare = max(0, jobs - len(pch))
+        early: dict[Path, Future[bool]] = {}
+        bare = [cmd for target, name, sources, folder in todo if target in pch
+                for cmd in _plan(name, sources, target, folder).compiles]
+        for cmd, src in sorted(bare, key=lambda item: -item[1].stat().st_size)[:spare]:
+            early[src] = pool.submit(attempt, cmd)
         plans = [(folder, _plan(name, sources, target, folder, pch[target].result() if target in pch else None))
                  for target, name, sources, folder in todo]
-        compiles = sorted((cmd for _, plan in plans for cmd in plan.compiles),
+        compiles = sorted((cmd for _, plan in plans for cmd in plan.compiles if cmd[1] not in early),
                           key=lambda item: -item[1].stat().st_size)  # the longest first: the cores end together
-        compiled = {src: pool.submit(attempt, cmd) for cmd, src in compiles}  # each source copy is one folder's
+        compiled = {**early, **{src: pool.submit(attempt, cmd) for cmd, src in compiles}}  # a source copy: one folder's
         links = {folder: pool.submit(attempt, plan.link) for folder, plan in plans
                  if all(compiled[src].result() for _, src in plan.compiles)}
         for folder, linked in links.items():
