@@ -371,8 +371,8 @@ def _prebuild(todo: list[tuple[str, str, tuple[str, ...], Path]], jobs: int, tim
         # the workers the precompiles leave idle take those ISAs' longest sources meanwhile, without the header
         spare = max(0, jobs - len(pch))
         early: dict[Path, Future[bool]] = {}
-        bare = [cmd for target, name, sources, folder in todo if target in pch
-                for cmd in _plan(name, sources, target, folder).compiles]
+        bare = [cmd for target, name, sources, folder in todo if spare and target in pch
+                for cmd in _plan(name, sources, target, folder).compiles]  # planned only if a worker is spare
         for cmd, src in sorted(bare, key=lambda item: -item[1].stat().st_size)[:spare]:
             early[src] = pool.submit(attempt, cmd)
         plans = [(folder, _plan(name, sources, target, folder, pch[target].result() if target in pch else None))
