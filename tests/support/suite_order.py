@@ -4,7 +4,7 @@
 # core for test_ray down to 15 s): under `-n 2 --dist loadfile` a long file handed out last leaves one worker
 # busy while the other idles, so the files after these are the short ones (a second or two each) and the
 # workers end within a few seconds of each other. test_hf_equality goes first: on a machine's first run it
-# computes the transformers oracle (about 90 s), which test_gguf_equality, much further down, reads.
+# computes the transformers oracle (about 25 s), which test_gguf_equality, much further down, reads.
 LONGEST_FIRST = ("models/test_hf_equality.py", "e2e/test_ray.py", "facades/test_llm.py",
                  "e2e/test_readme_and_cli.py", "models/test_gguf.py", "e2e/test_engine_process.py",
                  "server/test_fuzz_server.py", "e2e/test_ray_local.py", "server/test_server_lifecycle.py",
