@@ -131,6 +131,40 @@ def test_step_budget_defaults_to_each_entry_points_own() -> None:
     assert [e.options.get("max_num_batched_tokens") for e in troupe_engines(args)] == [256, 64]
 
 
+def test_the_moe_library_is_built_before_the_rounds_only_for_a_mixture_of_experts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-round build asks for the `moe` library only where troupe loads the model as a mixture of
+    experts (a dense model's engine never loads it, and it is ~15 s of compiling); a model whose config
+    cannot be read gets every library (its workers then say what is wrong)."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    from troupe.models.default_model import DEFAULT_MODEL_NAME
+
+    tiny = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128)
+    LlamaConfig(**tiny, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "dense")
+    Qwen3MoeConfig(**tiny, architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32).save_pretrained(tmp_path / "moe")
+    real_popen = subprocess.Popen
+    asked: list[str] = []
+
+    def record(cmd: list[str], **kwargs: object) -> object:
+        asked.append(cmd[-1])
+        return real_popen([sys.executable, "-c", "pass"], **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "Popen", record)
+    for model, moe in ((str(tmp_path / "dense"), False), (DEFAULT_MODEL_NAME, False), (str(tmp_path / "moe"), True),
+                       (str(tmp_path / "missing"), True)):
+        assert harness._is_moe(model) is moe, model
+        asked.clear()
+        assert harness.prebuild_cpu_kernels(moe=harness._is_moe(model)).startswith("compiled CPU kernels ready")
+        assert asked == [f"import sys; from troupe.kernels.cpu import available; sys.exit(0 if available(moe={moe}) "
+                         "else 3)"]
+
+
 def test_cpu_kernels_are_built_before_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The harness builds (or loads from the cache) the compiled kernels in a process of its own, so no
     worker's start-up or peak RSS holds a compile; where they cannot build, the note says the cpu configs

@@ -212,6 +212,20 @@ def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkey
     assert [c for c in fake.commands if "c++-header" in c or "-include" in c] == []  # 2 sources: no header
 
 
+def test_prebuild_builds_for_each_isa_the_extensions_named_for_it(monkeypatch, tmp_path):
+    """`isas` as a mapping (ISA -> names of `extensions`): each ISA gets those and no others (the suite's
+    AVX2 baseline: every library but `moe`)."""
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: None)
+    fake = FakeCompiler()
+    monkeypatch.setattr(build, "_run", fake)
+    build.prebuild(EXTS, {"native": EXTS, "avx2": ["one"]}, jobs=1)
+    for name, sources in EXTS.items():
+        assert (build.build_folder(name, sources, "native") / "built").exists()
+        assert (build.build_folder(name, sources, "avx2") / "built").exists() == (name == "one")
+    assert sorted(fake.sources()) == sorted([s for sources in EXTS.values() for s in sources] + ["probe.cpp"])
+
+
 def test_a_worker_the_precompile_leaves_idle_takes_the_longest_source_without_the_header(monkeypatch, tmp_path):
     """Two workers, one ISA: while one precompiles the headers, the other compiles the longest source on
     its own (no `-include`); every other source waits for the header and includes it; all are built."""

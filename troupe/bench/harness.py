@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         print(f"troupe bench: {', '.join(report.engines)}; parts {','.join(args.parts)}; {args.repeats} round(s); "
               f"logs in {workdir}", file=sys.stderr, flush=True)
-        report.notes.append(prebuild_cpu_kernels())
+        report.notes.append(prebuild_cpu_kernels(moe=_is_moe(args.model)))
         for rnd in range(args.repeats):
             for engine in [*troupe_side, *baselines]:
                 failures += run_round(engine, rnd, args, spec, report, workdir)
@@ -279,12 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 130 if interrupted else 1 if failures else 0
 
 
-def prebuild_cpu_kernels(timeout: float = 900.0) -> str:
+def prebuild_cpu_kernels(moe: bool = True, timeout: float = 900.0) -> str:
     """Build (or find in the cache) troupe's compiled CPU kernels for this run's ISA, in a process of its
     own, before any worker starts; returns a note saying which. A first use compiles them (tens of seconds
     of g++ in the engine's process tree), and a worker that did that would report the compile as start-up
-    and the compiler's memory as the engine's peak RSS; the workers find them cached instead."""
-    code = "import sys; from troupe.kernels.cpu import available; sys.exit(0 if available(moe=True) else 3)"
+    and the compiler's memory as the engine's peak RSS; the workers find them cached instead. `moe`: the
+    mixture-of-experts library too (what a MoE model's engine loads; a dense one never does)."""
+    code = f"import sys; from troupe.kernels.cpu import available; sys.exit(0 if available(moe={moe}) else 3)"
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -299,6 +300,18 @@ def prebuild_cpu_kernels(timeout: float = 900.0) -> str:
         return "compiled CPU kernels unavailable here: troupe's cpu configs run the eager torch kernels"
     return (f"compiled CPU kernels ready before the rounds ({os.environ.get('TROUPE_CPU_ISA', 'native')} build, "
             f"{seconds:.1f} s to build or load): no worker's start-up or RSS includes a compile")
+
+
+def _is_moe(model: str) -> bool:
+    """Whether troupe's engines will load `model` as a mixture of experts (if its config cannot be read
+    here, the engines report that; the kernels are then built whole)."""
+    from troupe.errors import ModelLoadError
+    from troupe.models.loader import read_model_info, resolve_model_path
+
+    try:
+        return read_model_info(resolve_model_path(model)).arch.num_experts > 0
+    except (ModelLoadError, OSError, ValueError):
+        return True
 
 
 def _cpu_name() -> str:

@@ -41,7 +41,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -311,12 +311,12 @@ PCH_HEADERS = ("ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "tor
 PCH_MIN_SOURCES = 5
 
 
-def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("native",), jobs: int = 2,
-             timeout: float = 1800) -> None:
-    """Compile `extensions` (name -> sources) for each of `isas` into the cache that `build` then loads
-    from, without loading them (a process loads one library per name): every source of every extension
-    and ISA in one pool of `jobs` compiler processes (the longest first), after one precompiled header
-    per ISA, then the links. What the cache holds already is skipped, and so is a folder whose lock
+def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] | Mapping[str, Collection[str]] = ("native",),
+             jobs: int = 2, timeout: float = 1800) -> None:
+    """Compile `extensions` (name -> sources) for each of `isas` (or, where `isas` maps each ISA to names
+    of `extensions`, those for that ISA) into the cache that `build` then loads from, without loading
+    them (a process loads one library per name): every source of every extension and ISA in one pool of
+    `jobs` compiler processes (the longest first), after one precompiled header per ISA, then the links. What the cache holds already is skipped, and so is a folder whose lock
     another process holds (it is building it). A build that fails is left for `build` to report where
     it is used."""
     import tempfile
@@ -328,8 +328,10 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] = ("nat
     todo: list[tuple[str, str, tuple[str, ...], Path]] = []
     guards: dict[Path, IO[str]] = {}
     try:
-        for target in isas:
-            for name, sources in extensions.items():
+        wanted = isas if isinstance(isas, Mapping) else {target: extensions for target in isas}
+        for target, names in wanted.items():
+            for name in names:
+                sources = extensions[name]
                 folder = build_folder(name, sources, target)
                 if (folder / "built").exists():
                     continue
