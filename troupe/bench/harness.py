@@ -305,12 +305,11 @@ def prebuild_cpu_kernels(moe: bool = True, timeout: float = 900.0) -> str:
 def _is_moe(model: str) -> bool:
     """Whether troupe's engines will load `model` as a mixture of experts (if its config cannot be read
     here, the engines report that; the kernels are then built whole)."""
-    from troupe.errors import ModelLoadError
     from troupe.models.loader import read_model_info, resolve_model_path
 
     try:
         return read_model_info(resolve_model_path(model)).arch.num_experts > 0
-    except (ModelLoadError, OSError, ValueError):
+    except (OSError, ValueError):  # ModelLoadError is a ValueError, as is a malformed config's JSON
         return True
 
 

@@ -316,9 +316,9 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] | Mappi
     """Compile `extensions` (name -> sources) for each of `isas` (or, where `isas` maps each ISA to names
     of `extensions`, those for that ISA) into the cache that `build` then loads from, without loading
     them (a process loads one library per name): every source of every extension and ISA in one pool of
-    `jobs` compiler processes (the longest first), after one precompiled header per ISA, then the links. What the cache holds already is skipped, and so is a folder whose lock
-    another process holds (it is building it). A build that fails is left for `build` to report where
-    it is used."""
+    `jobs` compiler processes (the longest first), after one precompiled header per ISA, then the links.
+    What the cache holds already is skipped, and so is a folder whose lock another process holds (it is
+    building it). A build that fails is left for `build` to report where it is used."""
     import tempfile
 
     try:
