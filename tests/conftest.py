@@ -91,8 +91,9 @@ def anyio_backend() -> str:
 
 
 # The compiled kernels for this CPU and the AVX2 baseline (the tests of that baseline run it in
-# subprocesses; none runs a mixture of experts on it, so its `moe` library is not built), every library
-# in its own process, as many at once as there are cores.
+# subprocesses; none runs a mixture of experts on it, so its `moe` library is not built; on a CPU without
+# AVX-512 the native build serves both, `build.build_target`), in one pool of as many compiler processes
+# as there are cores.
 PREBUILD = ("import os; from troupe.kernels.cpu import DENSE_EXTENSIONS, EXTENSIONS; "
             "from troupe.kernels.cpu.build import prebuild; "
             "prebuild(EXTENSIONS, {'native': EXTENSIONS, 'avx2': DENSE_EXTENSIONS}, jobs=os.cpu_count() or 1)")

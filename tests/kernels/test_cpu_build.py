@@ -4,6 +4,7 @@ clear fallback when it cannot be done."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -76,8 +77,7 @@ def test_prebuild_finishes_a_killed_build_and_a_later_process_loads_without_the_
     checkout or virtual environment with the same torch and compiler does not build again. The AVX2 build
     is made in an empty cache; the native one is the session's (tests/conftest.py prebuilds it)."""
     env = {**os.environ, "TROUPE_CACHE_DIR": str(tmp_path), "TROUPE_CPU_ISA": "avx2"}
-    paths = [build.CSRC / "probe.cpp"]
-    key = build._build_key("probe", paths, [*build.BASE_FLAGS, *build.ISA_FLAGS["avx2"]])
+    key = build.build_folder("probe", ("probe.cpp",), "avx2").name  # the native one's where they are the same
     stale = tmp_path / "kernels" / key
     stale.mkdir(parents=True)
     (stale / "probe.o").write_text("half an object file")  # what a killed build leaves
@@ -181,7 +181,14 @@ EXTS = {"one": ("probe.cpp",), "three": ("attention.cpp", "attention_decode.cpp"
         "fused": ("fused.cpp",)}
 
 
-def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkeypatch, tmp_path):
+@pytest.fixture
+def separate_isas(monkeypatch):
+    """The native and AVX2 builds in folders of their own, as on a CPU with AVX-512 (`build.build_target`
+    merges them on a CPU without)."""
+    monkeypatch.setattr(build, "build_target", lambda target: target)
+
+
+def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkeypatch, tmp_path, separate_isas):
     """One pool for all of it: per ISA with at least `PCH_MIN_SOURCES` sources to compile, the headers
     are precompiled first and every source of that ISA includes them; then every source (of every
     extension and ISA), the longest first; then one link per extension, whose folder alone is marked
@@ -212,7 +219,7 @@ def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkey
     assert [c for c in fake.commands if "c++-header" in c or "-include" in c] == []  # 2 sources: no header
 
 
-def test_prebuild_builds_for_each_isa_the_extensions_named_for_it(monkeypatch, tmp_path):
+def test_prebuild_builds_for_each_isa_the_extensions_named_for_it(monkeypatch, tmp_path, separate_isas):
     """`isas` as a mapping (ISA -> names of `extensions`): each ISA gets those and no others (the suite's
     AVX2 baseline: every library but `moe`)."""
     monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
@@ -224,6 +231,40 @@ def test_prebuild_builds_for_each_isa_the_extensions_named_for_it(monkeypatch, t
         assert (build.build_folder(name, sources, "native") / "built").exists()
         assert (build.build_folder(name, sources, "avx2") / "built").exists() == (name == "one")
     assert sorted(fake.sources()) == sorted([s for sources in EXTS.values() for s in sources] + ["probe.cpp"])
+
+
+def test_an_avx2_build_the_native_one_serves_is_built_once(monkeypatch, tmp_path):
+    """Where the native build compiles the same code paths as the AVX2 baseline (`build_target` says
+    "native" for "avx2": a CPU without AVX-512), asking for both builds each extension once, with one
+    precompiled header, into the folder that both ISAs then load from."""
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(build, "PCH_MIN_SOURCES", 5)
+    monkeypatch.setattr(build, "build_target", lambda target: "native")
+    fake = FakeCompiler()
+    monkeypatch.setattr(build, "_run", fake)
+    build.prebuild(EXTS, {"native": EXTS, "avx2": ["one", "fused"]}, jobs=1)
+    assert sorted(fake.sources()) == sorted(s for sources in EXTS.values() for s in sources)  # each once
+    assert sum("c++-header" in c for c in fake.commands) == 1
+    assert all("-march=native" in c for c in fake.commands if "-shared" not in c)
+    for name, sources in EXTS.items():
+        assert build.build_folder(name, sources, "avx2") == build.build_folder(name, sources, "native")
+        assert (build.build_folder(name, sources, "avx2") / "built").exists()
+
+
+def test_build_target_merges_the_avx2_build_only_where_the_code_paths_are_the_same(monkeypatch):
+    """`build_target("avx2")` is "native" exactly where the compiler's ISA macros that troupe's sources
+    test are the same under both flag sets: on this CPU, one without AVX-512 and AVX-VNNI. A compiler
+    that cannot say (or a fake one) keeps them apart; "native" is always itself."""
+    if not shutil.which(build._compiler()):
+        pytest.skip("no C++ compiler")
+    merged = not ({"avx512f", "avx_vnni"} & build.cpu_flags())
+    assert build.build_target("avx2") == ("native" if merged else "avx2")
+    assert build.build_target("native") == "native"
+    baseline = build._isa_macros(build._compiler(), build.ISA_FLAGS["avx2"])
+    assert baseline is not None and {"__AVX2__", "__FMA__"} <= baseline and "__AVX512F__" not in baseline
+    monkeypatch.setenv("CXX", "true")  # prints nothing: no macros known
+    assert build.build_target("avx2") == "avx2"
 
 
 def test_a_worker_the_precompile_leaves_idle_takes_the_longest_source_without_the_header(monkeypatch, tmp_path):

@@ -28,7 +28,8 @@ extension per Python process).
 Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
 AVX-512 code paths (`#ifdef __AVX512F__`) are taken where the CPU has them and the AVX2/FMA paths
 elsewhere; `TROUPE_CPU_ISA=avx2` builds the AVX2/FMA/F16C baseline on any CPU (tests use it to run the
-baseline on an AVX-512 machine). A CPU without AVX2 and FMA, no compiler, or a failed build: `load_ops`
+baseline on an AVX-512 machine; on a CPU where both compile the same code paths, `build_target` gives them one
+build). A CPU without AVX2 and FMA, no compiler, or a failed build: `load_ops`
 returns False, the cause is logged once as a warning, and `kernels="auto"` runs the eager torch set.
 """
 
@@ -38,6 +39,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -96,6 +98,32 @@ def isa() -> str:
     return choice
 
 
+def build_target(target: str) -> str:
+    """The ISA whose build serves `target`: "native" for "avx2" where the native flags define the same
+    instruction-set macros that troupe's sources test (a CPU without AVX-512 or AVX-VNNI, such as an AMD
+    Zen 3), since both builds then compile the same code paths; else `target`. So such a machine builds
+    and caches one library per extension, not two."""
+    if target != "avx2":
+        return target
+    native, baseline = (_isa_macros(_compiler(), ISA_FLAGS[t]) for t in ("native", "avx2"))
+    return "native" if native is not None and native == baseline else target
+
+
+@functools.cache
+def _isa_macros(compiler: str, flags: tuple[str, ...]) -> frozenset[str] | None:
+    """The instruction-set macros (`__AVX512F__`, `__FMA__`, ...) that `compiler` predefines with `flags`,
+    of those that troupe's sources test; None if the compiler cannot say, or defines no `__AVX2__`."""
+    tested = {m for path in CSRC.iterdir() if path.suffix in (".h", ".cpp")
+              for m in re.findall(r"__(?:AVX|AMX|FMA|F16C)\w*__", path.read_text())}
+    try:
+        out = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
+    return frozenset(defined & tested) if "__AVX2__" in defined else None
+
+
 def _cache_root() -> Path:
 
     return cache_dir() / "kernels"
@@ -135,15 +163,17 @@ def _build_key(name: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
 
 
 def build_folder(name: str, sources: Sequence[str], target: str) -> Path:
-    """Where the build of `csrc/<sources>` as extension `name` for ISA `target` is cached."""
-    return _cache_root() / _build_key(name, [CSRC / s for s in sources], [*BASE_FLAGS, *ISA_FLAGS[target]])
+    """Where the build of `csrc/<sources>` as extension `name` for ISA `target` is cached (the folder of
+    `build_target(target)`)."""
+    flags = [*BASE_FLAGS, *ISA_FLAGS[build_target(target)]]
+    return _cache_root() / _build_key(name, [CSRC / s for s in sources], flags)
 
 
 def build(name: str, sources: Sequence[str]) -> None:
     """Compile (or reuse the cached build of) `csrc/<sources>` and load it: its ops appear under
     `torch.ops.troupe_<name>`. Raises `BuildError` with the reason if that cannot be done here."""
     _check_toolchain()
-    target = isa()
+    target = build_target(isa())
     folder = build_folder(name, sources, target)
     folder.mkdir(parents=True, exist_ok=True)
     library = folder / f"troupe_{name}.so"
@@ -333,7 +363,7 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] | Mappi
             for name in names:
                 sources = extensions[name]
                 folder = build_folder(name, sources, target)
-                if (folder / "built").exists():
+                if folder in guards or (folder / "built").exists():  # planned already (`build_target`), or built
                     continue
                 folder.mkdir(parents=True, exist_ok=True)
                 guard = open(folder / "troupe.lock", "w")
@@ -344,7 +374,7 @@ def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] | Mappi
                     continue
                 guards[folder] = guard
                 if not (folder / "built").exists():
-                    todo.append((target, name, tuple(sources), folder))
+                    todo.append((build_target(target), name, tuple(sources), folder))
         with tempfile.TemporaryDirectory(prefix="troupe-pch-") as tmp:
             _prebuild(todo, jobs, timeout, Path(tmp), guards)
     finally:
