@@ -56,6 +56,22 @@ def test_modes_follow_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert quality.modes()[-1] == "gguf-bf16"
 
 
+def test_a_mode_this_cpu_cannot_run_is_left_out_and_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without avx512_bf16 the default modes leave `gguf-bf16` out (its engine would refuse to start: the
+    run used to end there, on an AVX2 CPU), and asking for it by name is an error that says why; with
+    avx512_bf16 every mode is measured."""
+    from troupe.kernels.cpu import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert quality.unrunnable() == {"gguf-bf16": "this CPU lacks avx512_bf16 (the vdpbf16ps instructions; "
+                                                 "/proc/cpuinfo flags)"}
+    with pytest.raises(SystemExit):
+        quality.main(["--modes", "gguf,gguf-bf16", "--peers", ""])
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}))
+    monkeypatch.delenv("TROUPE_CPU_ISA", raising=False)
+    assert quality.unrunnable() == {}
+
+
 def test_text_falls_back_to_pythons_licence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The text is the one given, else the first licence text found, else Python's own LICENSE.txt; the
     windows cover the first tokens in pieces of the window's size (a last piece of one token is dropped)."""
@@ -81,5 +97,6 @@ def test_a_small_run_on_the_default_model(tmp_path: Path, capsys: pytest.Capture
     assert data["verdict"] == "troupe gguf"
     printed = capsys.readouterr().out
     assert "troupe gguf" in printed and "verdict: troupe gguf" in printed
+    assert ("note: troupe gguf-bf16: skipped: " in printed) == ("gguf-bf16" in quality.unrunnable())
     with pytest.raises(SystemExit):
         quality.main(["--modes", "nonsense"])

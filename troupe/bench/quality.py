@@ -62,6 +62,15 @@ def modes() -> list[str]:
     return [q for q in QUANTIZATIONS if q != "auto"]
 
 
+def unrunnable() -> dict[str, str]:
+    """The modes of `modes()` this machine cannot run, each with the reason: `gguf-bf16` on a CPU without
+    avx512_bf16 (or on the AVX2 build), where its engine would refuse to start."""
+    from troupe.kernels.cpu.linear import bf16_unsupported
+
+    why = bf16_unsupported()
+    return {"gguf-bf16": why} if why and "gguf-bf16" in modes() else {}
+
+
 @dataclass
 class Row:
     engine: str
@@ -248,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--modes", default=None, help=f"troupe's modes, comma list (default: every one, {modes()})")
+    p.add_argument("--modes", default=None,
+                   help=f"troupe's modes, comma list (default: every one this CPU runs, of {modes()})")
     p.add_argument("--peers", default="vllm,llamacpp", help="comma list of vllm, llamacpp ('' for none)")
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--llama-bin", default=None)
@@ -256,9 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
-    wanted = args.modes.split(",") if args.modes else modes()
+    skipped = unrunnable()
+    wanted = args.modes.split(",") if args.modes else [m for m in modes() if m not in skipped]
     if bad := [m for m in wanted if m not in modes()]:
         p.error(f"--modes: {bad} not in {modes()}")
+    if bad := [m for m in wanted if m in skipped]:
+        p.error(f"--modes: {bad[0]} cannot run here: {skipped[bad[0]]}")
     for name, value in (("--ppl-tokens", args.ppl_tokens), ("--window", args.window),
                         ("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
         if value < 2:
@@ -286,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for mode in wanted:
         add(*troupe_row(mode, args.model, windows, prompts, args.max_tokens, args.threads, args.kv_cache_dtype))
     peer_row: Row | None = None
-    notes: list[str] = []
+    notes = [f"troupe {m}: skipped: {why}" for m, why in skipped.items()]
     if "vllm" in args.peers.split(","):
         python, why = peers.find_peer_python(peers.PEER_KINDS["vllm"], args.vllm_python)
         if python is None or files.hf_extra:
