@@ -110,18 +110,23 @@ def build_target(target: str) -> str:
 
 
 @functools.cache
+def _tested_macros() -> frozenset[str]:
+    """The instruction-set macros (`__AVX512F__`, `__FMA__`, ...) that troupe's sources test."""
+    return frozenset(m for path in CSRC.iterdir() if path.suffix in (".h", ".cpp")
+                     for m in re.findall(r"__(?:AVX|AMX|FMA|F16C)\w*__", path.read_text()))
+
+
+@functools.cache
 def _isa_macros(compiler: str, flags: tuple[str, ...]) -> frozenset[str] | None:
-    """The instruction-set macros (`__AVX512F__`, `__FMA__`, ...) that `compiler` predefines with `flags`,
-    of those that troupe's sources test; None if the compiler cannot say, or defines no `__AVX2__`."""
-    tested = {m for path in CSRC.iterdir() if path.suffix in (".h", ".cpp")
-              for m in re.findall(r"__(?:AVX|AMX|FMA|F16C)\w*__", path.read_text())}
+    """Those of `_tested_macros` that `compiler` predefines with `flags`; None if the compiler cannot say,
+    or defines no `__AVX2__`."""
     try:
         out = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
                              text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
-    return frozenset(defined & tested) if "__AVX2__" in defined else None
+    return _tested_macros() & defined if "__AVX2__" in defined else None
 
 
 def _cache_root() -> Path:
