@@ -95,7 +95,7 @@ def anyio_backend() -> str:
 # AVX-512 the native build serves both, `build.build_target`), in one pool of as many compiler processes
 # as there are cores.
 PREBUILD = ("import os; from troupe.kernels.cpu import DENSE_EXTENSIONS, EXTENSIONS; "
-            "from troupe.kernels.cpu.build import prebuild; "
+            "from troupe.kernels.cpu.prebuild import prebuild; "
             "prebuild(EXTENSIONS, {'native': EXTENSIONS, 'avx2': DENSE_EXTENSIONS}, jobs=os.cpu_count() or 1)")
 
 

@@ -36,7 +36,7 @@ from troupe.kernels.base import (
     flatten_step,
     zeros,
 )
-from troupe.kernels.cpu import build, fused, stack
+from troupe.kernels.cpu import build, fused, prebuild, stack
 from troupe.kernels.cpu import linear as qlinear
 from troupe.kernels.cpu import moe as cmoe
 from troupe.kernels.cpu.arena import WeightArena
@@ -63,7 +63,7 @@ DENSE_EXTENSIONS = {name: sources for name, sources in EXTENSIONS.items() if nam
 def available(moe: bool = False) -> bool:
     """Whether the compiled extensions that a dense model uses (with `moe`, the experts' op too) build and
     load here. Built once, then cached: a first use compiles every missing source in one pool of compiler
-    processes, one per core this process may run on, after a precompiled header (`build.prebuild`), then
+    processes, one per core this process may run on, after a precompiled header (`prebuild.prebuild`), then
     loads each library; a build in progress elsewhere is waited for."""
     wanted = EXTENSIONS if moe else DENSE_EXTENSIONS
     _build_missing(tuple(wanted))
@@ -72,7 +72,7 @@ def available(moe: bool = False) -> bool:
 
 @functools.cache
 def _build_missing(names: tuple[str, ...]) -> None:
-    """`build.prebuild` of those of `names` not in the cache, once a process; a problem (no compiler, a
+    """`prebuild.prebuild` of those of `names` not in the cache, once a process; a problem (no compiler, a
     bad TROUPE_CPU_ISA, a source that fails) is left for `load_ops` to report."""
     try:
         target = build.isa()
@@ -80,7 +80,7 @@ def _build_missing(names: tuple[str, ...]) -> None:
     except BuildError:
         return
     if missing:
-        build.prebuild(missing, (target,), jobs=len(os.sched_getaffinity(0)))
+        prebuild.prebuild(missing, (target,), jobs=len(os.sched_getaffinity(0)))
 
 
 def bf16_built() -> bool:

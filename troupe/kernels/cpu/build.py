@@ -20,10 +20,8 @@ are safe: an OS file lock per build folder, so a build in progress elsewhere is 
 duplicated, and a build killed midway leaves no marker and is redone. Each load stamps the folder's marker
 with the time, and each new build empties the folders of the cache no process has loaded for
 `STALE_AFTER_DAYS` (the builds of older sources, flags or torch versions) but their lock file, skipping any
-whose lock is held. `prebuild` compiles several
-extensions for several ISAs in one pool of compiler processes, after one precompiled header per ISA (the
-test suite's session start uses it: 85 s of a 2-core machine for both ISAs, against 107 s built one
-extension per Python process).
+whose lock is held. `prebuild.prebuild` fills the same folders for several extensions and ISAs in one
+pool of compiler processes (a first use, the test suite's start).
 
 Instruction sets, decided at run time: the default compiles for the running CPU (`-march=native`), so
 AVX-512 code paths (`#ifdef __AVX512F__`) are taken where the CPU has them and the AVX2/FMA paths
@@ -43,9 +41,9 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -105,7 +103,7 @@ def build_target(target: str) -> str:
     and caches one library per extension, not two."""
     if target != "avx2":
         return target
-    native, baseline = (_isa_macros(_compiler(), ISA_FLAGS[t]) for t in ("native", "avx2"))
+    native, baseline = (_isa_macros(compiler_command(), ISA_FLAGS[t]) for t in ("native", "avx2"))
     return "native" if native is not None and native == baseline else target
 
 
@@ -129,12 +127,12 @@ def _isa_macros(compiler: str, flags: tuple[str, ...]) -> frozenset[str] | None:
     return _tested_macros() & defined if "__AVX2__" in defined else None
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
 
     return cache_dir() / "kernels"
 
 
-def _compiler() -> str:
+def compiler_command() -> str:
     """The C++ compiler's command: `$CXX`, default `c++`."""
     return os.environ.get("CXX", "c++")
 
@@ -142,7 +140,7 @@ def _compiler() -> str:
 @functools.cache
 def _compiler_identity() -> str:
     """The C++ compiler's resolved path and the first line of its `--version` (empty if it cannot say)."""
-    compiler = shutil.which(_compiler()) or ""
+    compiler = shutil.which(compiler_command()) or ""
     if not compiler:
         return ""
     try:
@@ -171,13 +169,13 @@ def build_folder(name: str, sources: Sequence[str], target: str) -> Path:
     """Where the build of `csrc/<sources>` as extension `name` for ISA `target` is cached (the folder of
     `build_target(target)`)."""
     flags = [*BASE_FLAGS, *ISA_FLAGS[build_target(target)]]
-    return _cache_root() / _build_key(name, [CSRC / s for s in sources], flags)
+    return cache_root() / _build_key(name, [CSRC / s for s in sources], flags)
 
 
 def build(name: str, sources: Sequence[str]) -> None:
     """Compile (or reuse the cached build of) `csrc/<sources>` and load it: its ops appear under
     `torch.ops.troupe_<name>`. Raises `BuildError` with the reason if that cannot be done here."""
-    _check_toolchain()
+    check_toolchain()
     target = build_target(isa())
     folder = build_folder(name, sources, target)
     folder.mkdir(parents=True, exist_ok=True)
@@ -194,27 +192,27 @@ def build(name: str, sources: Sequence[str]) -> None:
             except OSError as exc:  # a library removed or damaged by hand: build it again
                 log.warning("cached kernel library does not load: rebuilding", kernels=name, reason=str(exc))
                 (folder / "built").unlink()
-        plan = _plan(name, sources, target, folder)
-        _run_all([cmd for cmd, _ in plan.compiles], jobs=os.cpu_count() or 1, what=f"the {name} kernels")
-        _run(plan.link, f"the {name} kernels")
+        plan = plan_build(name, sources, target, folder)
+        run_compilers([cmd for cmd, _ in plan.compiles], jobs=os.cpu_count() or 1, what=f"the {name} kernels")
+        run_compiler(plan.link, f"the {name} kernels")
         (folder / "built").touch()  # only now: a build killed midway leaves no marker
         try:
             torch.ops.load_library(str(library))
         except OSError as exc:
             raise BuildError(f"the {name} kernels built but do not load: {exc}") from exc
-    _remove_stale(keep=folder)
+    remove_stale(keep=folder)
 
 
-def _check_toolchain() -> None:
+def check_toolchain() -> None:
     missing = REQUIRED_CPU_FLAGS - cpu_flags()
     if missing:
         raise BuildError(f"this CPU lacks {sorted(missing)} (the compiled kernels need AVX2, FMA and F16C)")
-    compiler = _compiler()
+    compiler = compiler_command()
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler found ({compiler!r} is not on PATH)")
 
 
-class _Plan(NamedTuple):
+class BuildPlan(NamedTuple):
     """The compiler commands that build one extension into its folder: one per source (with that
     source), then the link."""
 
@@ -222,7 +220,7 @@ class _Plan(NamedTuple):
     link: list[str]
 
 
-def _compile_flags(target: str) -> list[str]:
+def compile_flags(target: str) -> list[str]:
     """What every translation unit for ISA `target` is compiled with: troupe's flags and torch's headers
     and C++ ABI (what `torch.utils.cpp_extension` would pass; no Python headers: the ops use none)."""
     from torch.utils.cpp_extension import include_paths
@@ -232,24 +230,24 @@ def _compile_flags(target: str) -> list[str]:
             *BASE_FLAGS, *ISA_FLAGS[target]]
 
 
-def _plan(name: str, sources: Sequence[str], target: str, folder: Path, pch: Path | None = None) -> _Plan:
+def plan_build(name: str, sources: Sequence[str], target: str, folder: Path, pch: Path | None = None) -> BuildPlan:
     """The commands that build `sources` as extension `name` into `folder`, from copies of the sources
-    there (`_stable_sources`); `pch`: a header precompiled with the same flags (`_precompile`), included
+    there (`_stable_sources`); `pch`: a header precompiled with the same flags (`prebuild.precompile`), included
     first by every source."""
     from torch.utils.cpp_extension import library_paths
 
-    compiler = _compiler()
+    compiler = compiler_command()
     src = _stable_sources(folder, [CSRC / s for s in sources])
-    flags = [*_compile_flags(target), f"-I{src}", *(["-include", str(pch), "-Winvalid-pch"] if pch else [])]
+    flags = [*compile_flags(target), f"-I{src}", *(["-include", str(pch), "-Winvalid-pch"] if pch else [])]
     objects = [folder / f"{Path(s).stem}.o" for s in sources]
     compiles = [([compiler, *flags, "-c", str(src / s), "-o", str(obj)], src / s)
                 for s, obj in zip(sources, objects, strict=True)]
     link = [compiler, "-shared", "-fopenmp", *map(str, objects), *(f"-L{p}" for p in library_paths()),
             "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(folder / f"troupe_{name}.so")]
-    return _Plan(compiles, link)
+    return BuildPlan(compiles, link)
 
 
-def _run(cmd: list[str], what: str, timeout: float = 1800) -> None:
+def run_compiler(cmd: list[str], what: str, timeout: float = 1800) -> None:
     """Run one compiler command; `BuildError` with the compiler's last words if it fails."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
@@ -260,12 +258,12 @@ def _run(cmd: list[str], what: str, timeout: float = 1800) -> None:
                          f"{(out.stderr or out.stdout)[-4000:]}")
 
 
-def _run_all(cmds: Sequence[list[str]], jobs: int, what: str) -> None:
+def run_compilers(cmds: Sequence[list[str]], jobs: int, what: str) -> None:
     """`cmds` at most `jobs` at a time; the first failure is raised once all have ended."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(_run, cmd, what) for cmd in cmds]
+        futures = [pool.submit(run_compiler, cmd, what) for cmd in cmds]
     for future in futures:
         future.result()
 
@@ -278,14 +276,14 @@ def _stamp_use(folder: Path) -> None:
         pass
 
 
-def _remove_stale(keep: Path) -> None:
+def remove_stale(keep: Path) -> None:
     """Empty the cache's build folders last loaded (or, never finished, last written) more than
     `STALE_AFTER_DAYS` ago, except `keep` and any whose lock another process holds (a build or a load in
     progress). Only the lock file stays: a process that opened it before stays excluded from one that
     opens it after, and builds the folder again under it if it needs that build after all. A library
     already loaded from a folder stays mapped in its process."""
     cutoff = time.time() - STALE_AFTER_DAYS * 86400
-    for folder in _cache_root().iterdir():
+    for folder in cache_root().iterdir():
         if folder == keep or not folder.is_dir():
             continue
         marker = folder / "built"
@@ -337,104 +335,3 @@ def load_ops(name: str, sources: tuple[str, ...]) -> bool:
         log.warning("compiled CPU kernels unavailable: using the eager torch kernels", kernels=name, reason=str(exc))
         return False
     return True
-
-
-# The headers every source includes first, precompiled once per ISA when `prebuild` compiles at least
-# `PCH_MIN_SOURCES` sources for it: parsing them is ~4 s of each source's ~6-25 s, making the precompiled
-# header ~13 s (and ~280 MB, in a temporary folder removed afterwards).
-PCH_HEADERS = ("ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "torch/library.h")
-PCH_MIN_SOURCES = 5
-
-
-def prebuild(extensions: dict[str, tuple[str, ...]], isas: Sequence[str] | Mapping[str, Collection[str]] = ("native",),
-             jobs: int = 2, timeout: float = 1800) -> None:
-    """Compile `extensions` (name -> sources) for each of `isas` (or, where `isas` maps each ISA to names
-    of `extensions`, those for that ISA) into the cache that `build` then loads from, without loading
-    them (a process loads one library per name): every source of every extension and ISA in one pool of
-    `jobs` compiler processes (the longest first), after one precompiled header per ISA, then the links.
-    What the cache holds already is skipped, and so is a folder whose lock another process holds (it is
-    building it). A build that fails is left for `build` to report where it is used."""
-    import tempfile
-
-    try:
-        _check_toolchain()
-    except BuildError:
-        return  # `build` reports it where the kernels are used
-    todo: list[tuple[str, str, tuple[str, ...], Path]] = []
-    guards: dict[Path, IO[str]] = {}
-    try:
-        wanted = isas if isinstance(isas, Mapping) else {target: extensions for target in isas}
-        for target, names in wanted.items():
-            for name in names:
-                sources = extensions[name]
-                folder = build_folder(name, sources, target)
-                if folder in guards or (folder / "built").exists():  # planned already (`build_target`), or built
-                    continue
-                folder.mkdir(parents=True, exist_ok=True)
-                guard = open(folder / "troupe.lock", "w")
-                try:
-                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:  # another process is building it
-                    guard.close()
-                    continue
-                guards[folder] = guard
-                if not (folder / "built").exists():
-                    todo.append((build_target(target), name, tuple(sources), folder))
-        with tempfile.TemporaryDirectory(prefix="troupe-pch-") as tmp:
-            _prebuild(todo, jobs, timeout, Path(tmp), guards)
-    finally:
-        for held in guards.values():
-            held.close()
-    if todo:
-        _remove_stale(keep=todo[-1][3])
-
-
-def _prebuild(todo: list[tuple[str, str, tuple[str, ...], Path]], jobs: int, timeout: float, tmp: Path,
-              guards: dict[Path, IO[str]]) -> None:
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    def attempt(cmd: list[str]) -> bool:
-        try:
-            _run(cmd, "a kernel library", timeout)
-        except BuildError:
-            return False
-        return True
-
-    targets = sorted({target for target, *_ in todo})
-    counts = {t: sum(len(sources) for target, _, sources, _ in todo if target == t) for t in targets}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        pch_targets = [t for t in targets if counts[t] >= PCH_MIN_SOURCES]
-        pch = {t: pool.submit(_precompile, tmp / t, t, timeout) for t in pch_targets}
-        # the workers the precompiles leave idle take those ISAs' longest sources meanwhile, without the header
-        spare = max(0, jobs - len(pch))
-        early: dict[Path, Future[bool]] = {}
-        bare = [cmd for target, name, sources, folder in todo if spare and target in pch
-                for cmd in _plan(name, sources, target, folder).compiles]  # planned only if a worker is spare
-        for cmd, src in sorted(bare, key=lambda item: -item[1].stat().st_size)[:spare]:
-            early[src] = pool.submit(attempt, cmd)
-        plans = [(folder, _plan(name, sources, target, folder, pch[target].result() if target in pch else None))
-                 for target, name, sources, folder in todo]
-        compiles = sorted((cmd for _, plan in plans for cmd in plan.compiles if cmd[1] not in early),
-                          key=lambda item: -item[1].stat().st_size)  # the longest first: the cores end together
-        compiled = {**early, **{src: pool.submit(attempt, cmd) for cmd, src in compiles}}  # a source copy: one folder's
-        links = {folder: pool.submit(attempt, plan.link) for folder, plan in plans
-                 if all(compiled[src].result() for _, src in plan.compiles)}
-        for folder, linked in links.items():
-            if linked.result():
-                (folder / "built").touch()
-            guards.pop(folder).close()  # waiters may go on: load it, or build it and see the error
-
-
-def _precompile(folder: Path, target: str, timeout: float) -> Path | None:
-    """`PCH_HEADERS` precompiled for `target` in `folder`: the header to `-include` (its `.gch` beside
-    it), or None if that failed (the sources then parse the headers themselves)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    header = folder / "troupe_pch.h"
-    header.write_text("".join(f"#include <{h}>\n" for h in PCH_HEADERS))
-    try:
-        _run([_compiler(), *_compile_flags(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"],
-             "the precompiled header", timeout)
-    except BuildError as exc:
-        log.info("precompiling the kernels' headers failed: compiling without", reason=str(exc)[:500])
-        return None
-    return header
