@@ -128,7 +128,7 @@ def _isa_macros(compiler: str, flags: tuple[str, ...]) -> frozenset[str] | None:
 
 
 def cache_root() -> Path:
-
+    """The folder of every kernel build folder: `<troupe cache>/kernels`."""
     return cache_dir() / "kernels"
 
 
@@ -204,6 +204,7 @@ def build(name: str, sources: Sequence[str]) -> None:
 
 
 def check_toolchain() -> None:
+    """`BuildError` naming what is missing: the CPU flags the kernels need, or the C++ compiler."""
     missing = REQUIRED_CPU_FLAGS - cpu_flags()
     if missing:
         raise BuildError(f"this CPU lacks {sorted(missing)} (the compiled kernels need AVX2, FMA and F16C)")
