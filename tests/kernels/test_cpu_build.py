@@ -116,7 +116,7 @@ def test_a_new_build_empties_the_folders_unused_for_a_while(monkeypatch, tmp_pat
     another process holds are left whole."""
     import fcntl
 
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     now = time.time()
     old, recent = now - (build.STALE_AFTER_DAYS + 10) * 86400, now - 86400
 

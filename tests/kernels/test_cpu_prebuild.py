@@ -45,7 +45,7 @@ def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkey
     are precompiled first and every source of that ISA includes them; then every source (of every
     extension and ISA), the longest first; then one link per extension, whose folder alone is marked
     built. An ISA with fewer sources gets no precompiled header."""
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     monkeypatch.setattr(prebuild, "PCH_MIN_SOURCES", 5)
     fake = FakeCompiler()
@@ -74,7 +74,7 @@ def test_prebuild_pools_every_source_after_one_precompiled_header_per_isa(monkey
 def test_prebuild_builds_for_each_isa_the_extensions_named_for_it(monkeypatch, tmp_path, separate_isas):
     """`isas` as a mapping (ISA -> names of `extensions`): each ISA gets those and no others (the suite's
     AVX2 baseline: every library but `moe`)."""
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     fake = FakeCompiler()
     monkeypatch.setattr(build, "run_compiler", fake)
@@ -89,7 +89,7 @@ def test_an_avx2_build_the_native_one_serves_is_built_once(monkeypatch, tmp_path
     """Where the native build compiles the same code paths as the AVX2 baseline (`build_target` says
     "native" for "avx2": a CPU without AVX-512), asking for both builds each extension once, with one
     precompiled header, into the folder that both ISAs then load from."""
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     monkeypatch.setattr(prebuild, "PCH_MIN_SOURCES", 5)
     monkeypatch.setattr(build, "build_target", lambda target: "native")
@@ -107,7 +107,7 @@ def test_an_avx2_build_the_native_one_serves_is_built_once(monkeypatch, tmp_path
 def test_a_worker_the_precompile_leaves_idle_takes_the_longest_source_without_the_header(monkeypatch, tmp_path):
     """Two workers, one ISA: while one precompiles the headers, the other compiles the longest source on
     its own (no `-include`); every other source waits for the header and includes it; all are built."""
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     monkeypatch.setattr(prebuild, "PCH_MIN_SOURCES", 5)
     fake = FakeCompiler()
@@ -127,7 +127,7 @@ def test_prebuild_leaves_a_failed_build_unmarked_and_builds_the_rest(monkeypatch
     """A source that fails to compile leaves its extension unlinked and unmarked (`build` reports the
     error where it is used) while the others build; a precompiled header that fails only means the
     sources parse the headers themselves."""
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     monkeypatch.setattr(prebuild, "PCH_MIN_SOURCES", 2)
     fake = FakeCompiler(fail=("attention_decode.cpp", "c++-header"))
@@ -145,7 +145,7 @@ def test_prebuild_skips_a_folder_another_process_is_building(monkeypatch, tmp_pa
     loads it waits on that lock) instead of waiting or building it twice."""
     import fcntl
 
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     monkeypatch.setattr(build, "check_toolchain", lambda: None)
     fake = FakeCompiler()
     monkeypatch.setattr(build, "run_compiler", fake)
@@ -164,7 +164,7 @@ def test_a_first_use_builds_only_what_is_missing_and_a_dense_model_no_moe(monkey
     Nothing is handed over once all are built."""
     import troupe.kernels.cpu as cpu
 
-    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(build, "_cache_root", lambda: tmp_path)
     calls: list[tuple[list[str], tuple[str, ...]]] = []
 
     def fake_prebuild(extensions, isas, jobs):

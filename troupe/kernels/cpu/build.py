@@ -127,7 +127,7 @@ def _isa_macros(compiler: str, flags: tuple[str, ...]) -> frozenset[str] | None:
     return _tested_macros() & defined if "__AVX2__" in defined else None
 
 
-def cache_root() -> Path:
+def _cache_root() -> Path:
     """The folder of every kernel build folder: `<troupe cache>/kernels`."""
     return cache_dir() / "kernels"
 
@@ -169,7 +169,7 @@ def build_folder(name: str, sources: Sequence[str], target: str) -> Path:
     """Where the build of `csrc/<sources>` as extension `name` for ISA `target` is cached (the folder of
     `build_target(target)`)."""
     flags = [*BASE_FLAGS, *ISA_FLAGS[build_target(target)]]
-    return cache_root() / _build_key(name, [CSRC / s for s in sources], flags)
+    return _cache_root() / _build_key(name, [CSRC / s for s in sources], flags)
 
 
 def build(name: str, sources: Sequence[str]) -> None:
@@ -193,7 +193,7 @@ def build(name: str, sources: Sequence[str]) -> None:
                 log.warning("cached kernel library does not load: rebuilding", kernels=name, reason=str(exc))
                 (folder / "built").unlink()
         plan = plan_build(name, sources, target, folder)
-        run_compilers([cmd for cmd, _ in plan.compiles], jobs=os.cpu_count() or 1, what=f"the {name} kernels")
+        _run_all([cmd for cmd, _ in plan.compiles], jobs=os.cpu_count() or 1, what=f"the {name} kernels")
         run_compiler(plan.link, f"the {name} kernels")
         (folder / "built").touch()  # only now: a build killed midway leaves no marker
         try:
@@ -259,7 +259,7 @@ def run_compiler(cmd: list[str], what: str, timeout: float = 1800) -> None:
                          f"{(out.stderr or out.stdout)[-4000:]}")
 
 
-def run_compilers(cmds: Sequence[list[str]], jobs: int, what: str) -> None:
+def _run_all(cmds: Sequence[list[str]], jobs: int, what: str) -> None:
     """`cmds` at most `jobs` at a time; the first failure is raised once all have ended."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -284,7 +284,7 @@ def remove_stale(keep: Path) -> None:
     opens it after, and builds the folder again under it if it needs that build after all. A library
     already loaded from a folder stays mapped in its process."""
     cutoff = time.time() - STALE_AFTER_DAYS * 86400
-    for folder in cache_root().iterdir():
+    for folder in _cache_root().iterdir():
         if folder == keep or not folder.is_dir():
             continue
         marker = folder / "built"
